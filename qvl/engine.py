@@ -1,0 +1,177 @@
+"""The inference engine: Qwen3-VL loaded once, answering conversations about images as a text stream."""
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from transformers import Qwen3VLProcessor
+
+from qvl import generate, images, quant, tiny
+from qvl.images import InputError
+from qvl.settings import GenParams, Settings
+
+log = logging.getLogger("qvl")
+TINY_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "tiny-v1"
+
+
+class ModelUnavailable(RuntimeError):
+    """The real weights could not be loaded and --require-model forbids the tiny fallback."""
+
+
+class ImageOnlyProcessor(Qwen3VLProcessor):
+    # Qwen3VLProcessor also builds a video processor, which needs torchvision; this demo only takes images.
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str  # "user" or "assistant"
+    text: str = ""
+    images: tuple = ()  # paths, bytes or PIL images, shown before the text
+
+
+@dataclass(frozen=True)
+class Stats:
+    prompt_tokens: int
+    image_tokens: int
+    new_tokens: int
+    ttft_s: float  # from the request to the first answer token, image preprocessing included
+    decode_tok_s: float
+    total_s: float
+    stopped: bool  # ended by stop(), not by the model or the token cap
+    truncated: bool = False  # ended by the max-new-tokens cap
+
+
+@dataclass
+class Engine:
+    settings: Settings
+    model: object = field(init=False)
+    processor: ImageOnlyProcessor = field(init=False)
+    precision: str = field(init=False)
+    fallback: str | None = field(init=False, default=None)  # why the tiny model serves instead of the real one
+
+    def __post_init__(self):
+        # The inter-op pool is fixed by torch at its first parallel op, so it is set here, once, before loading.
+        if torch.get_num_interop_threads() != self.settings.interop_threads:
+            try:
+                torch.set_num_interop_threads(self.settings.interop_threads)
+            except RuntimeError:
+                log.warning("inter-op threads already fixed at %d for this process", torch.get_num_interop_threads())
+        self.set_threads(self.settings.threads)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        try:
+            self._load(self.settings.model)
+        except Exception as e:  # hub unreachable, folder missing, wrong checkpoint: all end in the same fallback
+            reason = f"could not load {self.settings.model!r}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            if self.settings.require_model:
+                raise ModelUnavailable(
+                    f"{reason}\nFixes: connect to the internet so the weights can download, download them with "
+                    f"`huggingface-cli download {self.settings.model}`, or pass --model /path/to/local/folder. "
+                    "Without --require-model the app serves a tiny offline model instead."
+                ) from e
+            self.fallback = reason
+            log.warning("%s. Serving the TINY OFFLINE MODEL instead: answers will be gibberish.", reason)
+            if not (TINY_DIR / "model.safetensors").exists():
+                tiny.build(TINY_DIR)
+            self._load(str(TINY_DIR))
+
+    def _load(self, source: str):
+        self.processor = ImageOnlyProcessor.from_pretrained(source, backend="pil")
+        self.model, self.precision = quant.load_model(source, self.settings.quant)
+        self.source = source
+        limit = self.model.config.text_config.max_position_embeddings
+        self.max_context = min(self.settings.max_context, limit)
+
+    @property
+    def model_id(self) -> str:
+        return self.source
+
+    def set_threads(self, n: int):
+        """Intra-op threads, applied from the next request on."""
+        torch.set_num_threads(max(1, int(n)))
+
+    @property
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    def stop(self):
+        """Stop the running generation within one decode step."""
+        self._stop.set()
+
+    def chat(self, turns: list[Turn], params: GenParams | None = None) -> Iterator[str | Stats]:
+        """Answer the conversation: yield text pieces as they are generated, then one Stats.
+
+        Raises InputError (before any model compute) for unusable images or a conversation over the context limit.
+        """
+        params = params or self.settings.gen
+        start = time.perf_counter()
+        inputs, image_tokens = self._inputs(turns, params)
+        prompt_tokens = inputs["input_ids"].shape[1]
+        budget = self.max_context - prompt_tokens
+        if budget < 1:
+            raise InputError(
+                f"This conversation needs {prompt_tokens} tokens ({image_tokens} for images), over the limit of "
+                f"{self.max_context} tokens. Clear the conversation, send fewer or smaller images, "
+                "or lower 'Max image tokens' in Settings."
+            )
+        params = params if params.max_new_tokens <= budget else replace(params, max_new_tokens=budget)
+        with self._lock:
+            self._stop.clear()
+            ids, sent, first = [], "", None
+            for token in generate.stream(self.model, inputs, params, self._stop):
+                first = first or time.perf_counter()
+                ids.append(token)
+                text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):  # hold back a half-decoded UTF-8 character
+                    yield text[len(sent):]
+                    sent = text
+            text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
+            if text != sent:
+                yield text[len(sent):]
+            end = time.perf_counter()
+            stopped = self._stop.is_set()
+        first = first or end
+        yield Stats(
+            prompt_tokens=prompt_tokens, image_tokens=image_tokens, new_tokens=len(ids),
+            ttft_s=first - start, decode_tok_s=(len(ids) - 1) / (end - first) if len(ids) > 1 else 0.0,
+            total_s=end - start, stopped=stopped, truncated=not stopped and len(ids) >= params.max_new_tokens,
+        )
+
+    def _inputs(self, turns: list[Turn], params: GenParams) -> tuple[dict, int]:
+        """Tokenize the conversation and preprocess its images, refusing an oversized one before pixel work."""
+        messages, pictures = [], []
+        for turn in turns:
+            if turn.role not in ("user", "assistant"):
+                raise InputError(f"unknown role {turn.role!r}; turns are 'user' or 'assistant'")
+            content = []
+            for source in turn.images:
+                pictures.append(images.prepare(images.load(source), params.max_image_tokens, params.min_image_tokens))
+                content.append({"type": "image"})
+            content.append({"type": "text", "text": turn.text})
+            messages.append({"role": turn.role, "content": content})
+        if not messages or messages[-1]["role"] != "user":
+            raise InputError("The conversation must end with a user message.")
+        if not turns[-1].text.strip() and not turns[-1].images:
+            raise InputError("Please type a question or add an image.")
+        image_tokens = sum(images.tokens(p) for p in pictures)
+        prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text_tokens = len(self.processor.tokenizer(prompt)["input_ids"]) - len(pictures)
+        if text_tokens + image_tokens >= self.max_context:
+            raise InputError(
+                f"This conversation needs {text_tokens + image_tokens} tokens ({image_tokens} for "
+                f"{len(pictures)} image(s)), over the limit of {self.max_context} tokens. Clear the conversation, "
+                "send fewer or smaller images, or lower 'Max image tokens' in Settings."
+            )
+        size = {"shortest_edge": params.min_image_tokens * 1024, "longest_edge": params.max_image_tokens * 1024}
+        inputs = self.processor(
+            text=[prompt], images=pictures or None, return_tensors="pt", images_kwargs={"size": size}
+        )
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        return dict(inputs), image_tokens

@@ -1,0 +1,102 @@
+"""Turning whatever a user uploads into an RGB image the model can afford, or one clear error."""
+import io
+import math
+import os
+import warnings
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+PIXELS_PER_TOKEN = 32 * 32  # 16 px patches, merged 2x2 into one visual token
+MAX_SOURCE_PIXELS = 64_000_000  # refuse decompression bombs long before they reach memory
+MAX_ASPECT = 100  # Qwen's processor refuses 200:1; thinner strips are padded, not refused
+
+
+class InputError(ValueError):
+    """A request the user can fix: the message says how."""
+
+
+class ImageError(InputError):
+    """An upload that is not a usable image."""
+
+
+def load(source) -> Image.Image:
+    """Open a path, bytes or PIL image; return it decoded, EXIF-oriented and RGB, or raise ImageError."""
+    name = os.path.basename(source) if isinstance(source, (str, os.PathLike)) else "image"
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        if isinstance(source, bytes):
+            source = io.BytesIO(source)
+        try:
+            image = Image.open(source)
+        except FileNotFoundError:
+            raise ImageError(f"{name}: file not found; please upload it again.") from None
+        except (UnidentifiedImageError, OSError) as e:
+            empty = "is empty" if "empty" in str(e) or _size(source) == 0 else "is not an image PIL can read"
+            raise ImageError(f"{name} {empty}; please upload a PNG, JPEG, WebP or GIF picture.") from None
+    w, h = image.size
+    if w < 1 or h < 1 or w * h > MAX_SOURCE_PIXELS:
+        raise ImageError(
+            f"{name} is {w}x{h} pixels; images up to {MAX_SOURCE_PIXELS // 1_000_000} megapixels are accepted. "
+            "Please downscale it first."
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image.seek(0)  # the first frame of an animation
+            image = ImageOps.exif_transpose(image)
+            image = _to_rgb(image)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"{name} is damaged or truncated ({e}); please upload a complete image.") from None
+    return image
+
+
+def _size(source) -> int | None:
+    try:
+        return os.path.getsize(source) if isinstance(source, (str, os.PathLike)) else len(source.getbuffer())
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB for every mode PIL decodes: palette+alpha and RGBA composite on white, 16-bit and CMYK convert."""
+    if image.mode == "P":
+        image = image.convert("RGBA")
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        image = image.point(lambda v: v / 256).convert("L")  # 16-bit greyscale scaled to 8 bits, not clipped
+    if image.mode in ("RGBA", "LA", "PA"):
+        background = Image.new("RGB", image.size, "white")
+        background.paste(image.convert("RGBA"), mask=image.convert("RGBA").getchannel("A"))
+        return background
+    image = image.convert("RGB")
+    image.load()
+    return image
+
+
+def fit(width: int, height: int, max_tokens: int, min_tokens: int) -> tuple[int, int]:
+    """The size (w, h), multiples of 32 with the aspect ratio kept, costing min_tokens..max_tokens tokens."""
+    w, h = max(32, round(width / 32) * 32), max(32, round(height / 32) * 32)
+    if w * h > max_tokens * PIXELS_PER_TOKEN:
+        beta = math.sqrt(width * height / (max_tokens * PIXELS_PER_TOKEN))
+        w, h = max(32, math.floor(width / beta / 32) * 32), max(32, math.floor(height / beta / 32) * 32)
+        while w * h > max_tokens * PIXELS_PER_TOKEN:  # a very thin strip floored to 32 can still be over
+            w, h = (w - 32, h) if w >= h else (w, h - 32)
+    elif w * h < min_tokens * PIXELS_PER_TOKEN:
+        beta = math.sqrt(min_tokens * PIXELS_PER_TOKEN / (width * height))
+        w, h = math.ceil(width * beta / 32) * 32, math.ceil(height * beta / 32) * 32
+    return w, h
+
+
+def tokens(image: Image.Image) -> int:
+    return image.width * image.height // PIXELS_PER_TOKEN
+
+
+def prepare(image: Image.Image, max_tokens: int, min_tokens: int) -> Image.Image:
+    """Resize to the token budget; this is the biggest speed lever there is on a CPU."""
+    w, h = image.size
+    if max(w, h) > MAX_ASPECT * min(w, h):
+        padded = Image.new("RGB", (max(w, h // MAX_ASPECT), max(h, w // MAX_ASPECT)), "white")
+        padded.paste(image, ((padded.width - w) // 2, (padded.height - h) // 2))
+        image = padded
+    size = fit(image.width, image.height, max_tokens, min_tokens)
+    return image if size == image.size else image.resize(size, Image.Resampling.BICUBIC)

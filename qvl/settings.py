@@ -1,0 +1,111 @@
+"""All configuration in one typed object, filled from CLI flags, then QVL_* env vars, then defaults."""
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+
+from qvl import cpu
+
+DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """Per-request generation settings: everything here can change the answer (and so the cache key)."""
+
+    max_new_tokens: int = 384  # Qwen3-VL likes to ramble; a few hundred tokens is a full answer on a CPU
+    temperature: float = 0.7  # Qwen's recommended sampling for Instruct models
+    top_p: float = 0.8
+    top_k: int = 20
+    greedy: bool = False
+    seed: int = 0  # fixed by default so a repeated question is reproducible (and cacheable)
+    max_image_tokens: int = 320  # 640x480 fits whole; OCR and grounding want 1024+
+    min_image_tokens: int = 16
+    min_new_tokens: int = 0  # only the benchmark forces a length
+
+
+@dataclass
+class Settings:
+    model: str = DEFAULT_MODEL
+    require_model: bool = False
+    quant: str = "auto"
+    threads: int = field(default_factory=cpu.available_cores)
+    # torch fixes the inter-op pool at its first parallel op, so this one needs a restart.
+    interop_threads: int = 1
+    max_context: int = 8192
+    gen: GenParams = field(default_factory=GenParams)
+    host: str = field(default_factory=lambda: os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    port: int = field(default_factory=lambda: int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+    share: bool = False
+    auth: str | None = None  # "user:password"; prefer QVL_AUTH so it stays out of shell history
+    cache: bool = True
+    cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "answers"))
+    cache_size: str = "2GB"
+    queue_size: int = 16
+    max_file_size: str = "20mb"
+
+
+_HELP = {
+    "model": "hub id or local folder of a Qwen3-VL checkpoint",
+    "require_model": "fail instead of falling back to the tiny offline model",
+    "quant": "weights: auto (fastest for this CPU), fp32, bf16, int8, int4",
+    "threads": "intra-op threads (changeable live in Settings)",
+    "interop_threads": "inter-op threads (fixed at start-up)",
+    "max_context": "largest prompt + answer, in tokens",
+    "host": "address to bind; 0.0.0.0 exposes the app to your network",
+    "port": "port to serve on",
+    "share": "create a public Gradio share link",
+    "auth": "user:password required to use the app",
+    "cache": "answer cache on disk (--no-cache turns it off)",
+    "cache_dir": "answer cache folder",
+    "cache_size": "answer cache size limit, e.g. 500MB, 2GB",
+    "queue_size": "requests that may wait in the queue before new ones are told to retry",
+    "max_file_size": "largest upload, e.g. 20mb",
+}
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean, got {text!r}")
+
+
+def _flags(obj) -> list[tuple[str, type, object]]:
+    """(name, type, default) for every scalar setting, GenParams' fields included as top-level flags."""
+    out = []
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _flags(value)
+        else:
+            kind = f.type if isinstance(f.type, type) else str  # `str | None` -> str
+            out.append((f.name, kind, value))
+    return out
+
+
+def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Settings:
+    """Build Settings: a CLI flag wins over QVL_<NAME> in env, which wins over the default."""
+    env = os.environ if env is None else env
+    base = Settings()
+    parser = argparse.ArgumentParser(prog="app.py", description="Chat about images with Qwen3-VL on a CPU.")
+    for name, kind, default in _flags(base):
+        flag, var = "--" + name.replace("_", "-"), "QVL_" + name.upper()
+        help_text = f"{_HELP.get(name, name.replace('_', ' '))} [env {var}]"
+        if var in env:
+            try:
+                default = _parse_bool(env[var]) if kind is bool else kind(env[var])
+            except ValueError as e:
+                parser.error(f"{var}: {e}")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
+    args = vars(parser.parse_args(argv))
+    gen_names = {f.name for f in fields(GenParams)}
+    gen = GenParams(**{k: v for k, v in args.items() if k in gen_names})
+    settings = Settings(**{k: v for k, v in args.items() if k not in gen_names}, gen=gen)
+    if settings.quant not in ("auto", "fp32", "bf16", "int8", "int4"):
+        parser.error(f"--quant must be one of auto, fp32, bf16, int8, int4 (got {settings.quant!r})")
+    return settings
