@@ -1,4 +1,5 @@
 """The inference engine: Qwen3-VL loaded once, answering conversations about images as a text stream."""
+import hashlib
 import logging
 import os
 import threading
@@ -16,6 +17,21 @@ from qvl.settings import GenParams, Settings
 
 log = logging.getLogger("qvl")
 TINY_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "tiny-v1"
+
+
+def _weights_version(model, source: str) -> str:
+    """The hub commit when there is one; for a local folder, a hash of each weight file's name, size and ends."""
+    commit = getattr(model.config, "_commit_hash", None)
+    if commit:
+        return commit
+    digest = hashlib.sha256()
+    for path in sorted(Path(source).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            size = path.stat().st_size
+            digest.update(f"{path.name}:{size}".encode() + f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 class ModelUnavailable(RuntimeError):
@@ -91,6 +107,11 @@ class Engine:
     @property
     def model_id(self) -> str:
         return self.source
+
+    @property
+    def identity(self) -> str:
+        """What makes this model's answers what they are: source, weights version, precision/quantization."""
+        return f"{self.source}@{_weights_version(self.model, self.source)}|{self.precision}"
 
     def set_threads(self, n: int):
         """Intra-op threads, applied from the next request on."""
