@@ -28,18 +28,23 @@ def load(source) -> Image.Image:
         if isinstance(source, bytes):
             source = io.BytesIO(source)
         try:
-            image = Image.open(source)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                image = Image.open(source)
         except FileNotFoundError:
             raise ImageError(f"{name}: file not found; please upload it again.") from None
+        except Image.DecompressionBombError:
+            raise _too_large(name, "far too many") from None
+        except (Image.DecompressionBombWarning, Image.DecompressionBombError):  # PIL refuses it before we see a size
+            raise ImageError(
+                f"{name} is far over {MAX_SOURCE_PIXELS // 1_000_000} megapixels; please downscale it first."
+            ) from None
         except (UnidentifiedImageError, OSError) as e:
             empty = "is empty" if "empty" in str(e) or _size(source) == 0 else "is not an image PIL can read"
             raise ImageError(f"{name} {empty}; please upload a PNG, JPEG, WebP or GIF picture.") from None
     w, h = image.size
     if w < 1 or h < 1 or w * h > MAX_SOURCE_PIXELS:
-        raise ImageError(
-            f"{name} is {w}x{h} pixels; images up to {MAX_SOURCE_PIXELS // 1_000_000} megapixels are accepted. "
-            "Please downscale it first."
-        )
+        raise _too_large(name, f"{w}x{h}")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -49,6 +54,13 @@ def load(source) -> Image.Image:
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as e:
         raise ImageError(f"{name} is damaged or truncated ({e}); please upload a complete image.") from None
     return image
+
+
+def _too_large(name: str, size: str) -> ImageError:
+    return ImageError(
+        f"{name} has {size} pixels; images up to {MAX_SOURCE_PIXELS // 1_000_000} megapixels are accepted. "
+        "Please downscale it first."
+    )
 
 
 def _size(source) -> int | None:
@@ -63,7 +75,8 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "P":
         image = image.convert("RGBA")
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        image = image.point(lambda v: v / 256).convert("L")  # 16-bit greyscale scaled to 8 bits, not clipped
+        # 16-bit greyscale scaled to 8 bits, not clipped; point() only takes the native-endian "I" mode
+        image = image.convert("I").point(lambda v: v / 256).convert("L")
     if image.mode in ("RGBA", "LA", "PA"):
         background = Image.new("RGB", image.size, "white")
         background.paste(image.convert("RGBA"), mask=image.convert("RGBA").getchannel("A"))

@@ -1,0 +1,188 @@
+"""The engine: streaming answers about images, budgets, limits, stop and threads, on the tiny model."""
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+from PIL import Image
+
+from qvl import images, settings
+from qvl.engine import Engine, ModelUnavailable, Stats, Turn
+from qvl.images import InputError
+
+GREEDY = settings.GenParams(greedy=True, max_new_tokens=24, min_new_tokens=24)
+
+
+def picture(w=320, h=240, color=(200, 30, 30)):
+    image = Image.new("RGB", (w, h), color)
+    image.paste((20, 20, 220), (w // 4, h // 4, w // 2, h // 2))
+    return image
+
+
+def run(engine, turns, params=GREEDY):
+    *pieces, stats = list(engine.chat(turns, params))
+    assert isinstance(stats, Stats) and all(isinstance(p, str) for p in pieces)
+    return pieces, stats
+
+
+def test_streamed_pieces_join_to_the_answer_generate_would_give(engine):
+    turns = [Turn("user", "What is in this picture?", (picture(),))]
+    pieces, stats = run(engine, turns)
+    assert len(pieces) > 1
+    inputs, _ = engine._inputs(turns, GREEDY)
+    with torch.inference_mode():
+        out = engine.model.generate(**inputs, do_sample=False, max_new_tokens=24, min_new_tokens=24)
+    expected = engine.processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "".join(pieces) == expected
+    assert stats.new_tokens == 24 and stats.truncated and not stats.stopped
+    assert stats.prompt_tokens == inputs["input_ids"].shape[1]
+    assert 0 < stats.ttft_s <= stats.total_s and stats.decode_tok_s > 0
+
+
+def test_multi_turn_with_images_in_two_turns(engine):
+    turns = [
+        Turn("user", "Describe this.", (picture(320, 240),)),
+        Turn("assistant", "A red square."),
+        Turn("user", "And these two?", (picture(640, 480, (0, 128, 0)), picture(96, 96))),
+    ]
+    inputs, image_tokens = engine._inputs(turns, GREEDY)
+    assert inputs["image_grid_thw"].shape[0] == 3
+    pad = engine.model.config.image_token_id
+    assert int((inputs["input_ids"] == pad).sum()) == image_tokens == 80 + 300 + 16  # 320x240 rounds to 320x256
+    prompt = engine.processor.tokenizer.decode(inputs["input_ids"][0])
+    assert prompt.count("<|vision_start|>") == 3 and "A red square." in prompt
+    _, stats = run(engine, turns)
+    assert stats.image_tokens == image_tokens
+
+
+@pytest.mark.parametrize("size", [(640, 480), (4032, 3024), (1080, 1920), (1, 1), (33, 2000), (10000, 20)])
+@pytest.mark.parametrize("budget", [64, 320, 1024])
+def test_image_tokens_stay_within_budget_and_match_the_processor(engine, size, budget):
+    params = replace(GREEDY, max_image_tokens=budget)
+    inputs, image_tokens = engine._inputs([Turn("user", "?", (picture(*size),))], params)
+    t, h, w = inputs["image_grid_thw"][0].tolist()
+    assert image_tokens == t * h * w // 4 == int((inputs["input_ids"] == engine.model.config.image_token_id).sum())
+    assert params.min_image_tokens <= image_tokens <= budget
+
+
+def test_image_aspect_ratio_is_kept_when_resizing():
+    w, h = images.fit(4032, 3024, 320, 16)
+    assert w % 32 == h % 32 == 0 and abs(w / h - 4032 / 3024) < 0.1
+
+
+def test_stop_ends_a_long_generation_early_and_the_next_request_runs(engine):
+    long = replace(GREEDY, max_new_tokens=3000, min_new_tokens=3000)
+    turns = [Turn("user", "Tell me everything.", (picture(),))]
+    seen = threading.Event()
+    result = {}
+
+    def consume():
+        for item in engine.chat(turns, long):
+            seen.set()
+            result["last"] = item
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    assert seen.wait(60)
+    engine.stop()
+    worker.join(30)
+    assert not worker.is_alive()
+    stats = result["last"]
+    assert stats.stopped and 0 < stats.new_tokens < 3000
+    _, after = run(engine, turns)
+    assert not after.stopped and after.new_tokens == 24
+
+
+def test_closing_the_stream_frees_the_engine(engine):
+    stream = engine.chat([Turn("user", "Go on.")], replace(GREEDY, max_new_tokens=3000, min_new_tokens=3000))
+    next(stream)
+    stream.close()  # what a disconnected client does
+    _, stats = run(engine, [Turn("user", "Next?")])
+    assert stats.new_tokens == 24
+
+
+def test_thread_count_changes_reach_the_model_between_requests(engine):
+    seen = []
+    hook = engine.model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    try:
+        for n in (1, 2):
+            engine.set_threads(n)
+            seen.clear()
+            run(engine, [Turn("user", "Hi")], replace(GREEDY, max_new_tokens=3, min_new_tokens=3))
+            assert engine.threads == n and seen and set(seen) == {n}
+    finally:
+        hook.remove()
+        engine.set_threads(engine.settings.threads)
+
+
+def test_sampling_follows_the_seed(engine):
+    params = settings.GenParams(max_new_tokens=16, min_new_tokens=16, seed=7)
+    turns = [Turn("user", "Say something.")]
+    first, again = run(engine, turns, params)[0], run(engine, turns, params)[0]
+    other = run(engine, turns, replace(params, seed=8))[0]
+    assert first == again and first != other
+
+
+def test_too_long_conversation_is_refused_before_compute(engine):
+    calls = []
+    hook = engine.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with pytest.raises(InputError, match=f"limit of {engine.max_context} tokens"):
+            next(engine.chat([Turn("user", "word " * engine.max_context)], GREEDY))
+        many = tuple(picture(1024, 1024) for _ in range(20))
+        with pytest.raises(InputError, match="image"):
+            next(engine.chat([Turn("user", "?", many)], replace(GREEDY, max_image_tokens=1024)))
+    finally:
+        hook.remove()
+    assert calls == []
+
+
+def test_empty_message_is_refused(engine):
+    with pytest.raises(InputError, match="question or add an image"):
+        next(engine.chat([Turn("user", "  ")], GREEDY))
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "empty"),
+        (b"hello, I am text", "not an image"),
+        (b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF", "not an image"),
+    ],
+)
+def test_bad_image_bytes_get_one_clear_error(engine, data, message):
+    with pytest.raises(images.ImageError, match=message):
+        next(engine.chat([Turn("user", "?", (data,))], GREEDY))
+
+
+def test_truncated_and_absurd_images_get_the_clear_error(engine, tmp_path):
+    import io
+
+    buf = io.BytesIO()
+    picture(640, 480).save(buf, "JPEG")
+    (tmp_path / "cut.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    with pytest.raises(images.ImageError, match="cut.jpg is damaged or truncated"):
+        next(engine.chat([Turn("user", "?", (str(tmp_path / "cut.jpg"),))], GREEDY))
+    bomb = io.BytesIO()
+    Image.new("1", (30000, 30000)).save(bomb, "PNG")
+    with pytest.raises(images.ImageError, match="megapixels"):
+        next(engine.chat([Turn("user", "?", (bomb.getvalue(),))], GREEDY))
+
+
+def test_offline_fallback_serves_the_tiny_model(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr("qvl.engine.TINY_DIR", tmp_path / "tiny")
+    missing = str(tmp_path / "no-such-model")
+    engine = Engine(settings.parse(["--model", missing, "--quant", "fp32"], env={}))
+    assert engine.fallback and missing in engine.fallback
+    assert "TINY OFFLINE MODEL" in caplog.text
+    assert engine.model_id == str(tmp_path / "tiny")
+    _, stats = run(engine, [Turn("user", "Hello?", (picture(),))])
+    assert stats.new_tokens == 24
+
+
+def test_require_model_turns_the_fallback_into_an_error_naming_the_fixes(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ModelUnavailable, match="--model /path/to/local/folder"):
+        Engine(settings.parse(["--model", missing, "--require-model"], env={}))
+    with pytest.raises(ModelUnavailable):
+        Engine(settings.parse(["--model", missing], env={"QVL_REQUIRE_MODEL": "1"}))
