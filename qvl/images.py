@@ -33,12 +33,8 @@ def load(source) -> Image.Image:
                 image = Image.open(source)
         except FileNotFoundError:
             raise ImageError(f"{name}: file not found; please upload it again.") from None
-        except Image.DecompressionBombError:
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # PIL's own, higher limit
             raise _too_large(name, "far too many") from None
-        except (Image.DecompressionBombWarning, Image.DecompressionBombError):  # PIL refuses it before we see a size
-            raise ImageError(
-                f"{name} is far over {MAX_SOURCE_PIXELS // 1_000_000} megapixels; please downscale it first."
-            ) from None
         except (UnidentifiedImageError, OSError) as e:
             empty = "is empty" if "empty" in str(e) or _size(source) == 0 else "is not an image PIL can read"
             raise ImageError(f"{name} {empty}; please upload a PNG, JPEG, WebP or GIF picture.") from None
