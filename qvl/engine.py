@@ -174,7 +174,10 @@ class Engine:
             for source in turn.images:
                 pictures.append(images.prepare(images.load(source), params.max_image_tokens, params.min_image_tokens))
                 content.append({"type": "image"})
-            content.append({"type": "text", "text": turn.text})
+            # JSON escapes such as \ud83d\ude00 reach Python as split or lone surrogates, which the tokenizer refuses:
+            # pairs are joined again, a lone one becomes U+FFFD, as a browser would show it.
+            text = turn.text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            content.append({"type": "text", "text": text})
             messages.append({"role": turn.role, "content": content})
         if not messages or messages[-1]["role"] != "user":
             raise InputError("The conversation must end with a user message.")
