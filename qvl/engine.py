@@ -2,11 +2,13 @@
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import Qwen3VLProcessor
@@ -32,6 +34,29 @@ def _weights_version(model, source: str) -> str:
             f.seek(max(0, size - (1 << 20)))
             digest.update(f.read())
     return digest.hexdigest()[:16]
+
+
+def _local_copy(source: str) -> str:
+    """A folder holding the checkpoint: source itself, the hub cache's copy, or a fresh download.
+
+    The hub client retries an unreachable host for minutes; a 3-second probe turns that into an immediate fallback.
+    """
+    if Path(source).is_dir():
+        return source
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(source, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    host = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((host.hostname, host.port or 443), timeout=3).close()
+    except OSError as e:
+        raise OSError(f"no local copy, and the hub ({constants.ENDPOINT}) is unreachable: {e}") from None
+    log.info("downloading %s from the hub (about 4.5 GB for the 2B model)", source)
+    return snapshot_download(source)
 
 
 class ModelUnavailable(RuntimeError):
@@ -63,15 +88,12 @@ class Stats:
     truncated: bool = False  # ended by the max-new-tokens cap
 
 
-@dataclass
 class Engine:
-    settings: Settings
-    model: object = field(init=False)
-    processor: ImageOnlyProcessor = field(init=False)
-    precision: str = field(init=False)
-    fallback: str | None = field(init=False, default=None)  # why the tiny model serves instead of the real one
+    """Qwen3-VL loaded once; attributes model_id, folder, precision, identity, max_context describe it."""
 
-    def __post_init__(self):
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.fallback: str | None = None  # why the tiny model serves instead of the real one
         # The inter-op pool is fixed by torch at its first parallel op, so it is set here, once, before loading.
         if torch.get_num_interop_threads() != self.settings.interop_threads:
             try:
@@ -88,7 +110,7 @@ class Engine:
             if self.settings.require_model:
                 raise ModelUnavailable(
                     f"{reason}\nFixes: connect to the internet so the weights can download, download them with "
-                    f"`huggingface-cli download {self.settings.model}`, or pass --model /path/to/local/folder. "
+                    f"`hf download {self.settings.model}`, or pass --model /path/to/local/folder. "
                     "Without --require-model the app serves a tiny offline model instead."
                 ) from e
             self.fallback = reason
@@ -98,20 +120,14 @@ class Engine:
             self._load(str(TINY_DIR))
 
     def _load(self, source: str):
-        self.processor = ImageOnlyProcessor.from_pretrained(source, backend="pil")
-        self.model, self.precision = quant.load_model(source, self.settings.quant)
-        self.source = source
+        self.folder = _local_copy(source)
+        self.processor = ImageOnlyProcessor.from_pretrained(self.folder, backend="pil")
+        self.model, self.precision = quant.load_model(self.folder, self.settings.quant)
+        self.model_id = source
+        # What makes this model's answers what they are; part of every answer-cache key.
+        self.identity = f"{source}@{_weights_version(self.model, self.folder)}|{self.precision}"
         limit = self.model.config.text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context, limit)
-
-    @property
-    def model_id(self) -> str:
-        return self.source
-
-    @property
-    def identity(self) -> str:
-        """What makes this model's answers what they are: source, weights version, precision/quantization."""
-        return f"{self.source}@{_weights_version(self.model, self.source)}|{self.precision}"
 
     def set_threads(self, n: int):
         """Intra-op threads, applied from the next request on."""
