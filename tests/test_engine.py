@@ -186,3 +186,14 @@ def test_require_model_turns_the_fallback_into_an_error_naming_the_fixes(tmp_pat
         Engine(settings.parse(["--model", missing, "--require-model"], env={}))
     with pytest.raises(ModelUnavailable):
         Engine(settings.parse(["--model", missing], env={"QVL_REQUIRE_MODEL": "1"}))
+
+
+def test_hub_id_without_network_or_local_copy_falls_back_at_once(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr("qvl.engine.TINY_DIR", tmp_path / "tiny")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached
+    monkeypatch.setattr(hub, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
+    engine = Engine(settings.parse(["--quant", "fp32"], env={}))
+    assert engine.fallback.startswith("could not load 'Qwen/Qwen3-VL-2B-Instruct'")
+    assert "unreachable" in engine.fallback
