@@ -8,16 +8,26 @@ from pathlib import Path
 _FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "avx512_bf16": "BF16", "amx_tile": "AMX"}
 
 
-def available_cores() -> int:
+def available_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
     """Cores this process may use: its affinity mask, further capped by a cgroup CPU quota (containers, Spaces)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup)
+    return max(1, min(cores, int(quota)) if quota else cores)
+
+
+def _cgroup_quota(root: Path) -> float | None:
+    """CPUs granted by the cgroup (v2 cpu.max, else v1 cfs quota/period); None when unlimited or unknown."""
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, int(int(quota) // int(period))))
+        quota, period = (root / "cpu.max").read_text().split()[:2]
     except (OSError, ValueError):
-        pass
-    return max(1, cores)
+        try:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    return max(1.0, int(quota) / int(period))
 
 
 @cache

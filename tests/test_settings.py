@@ -1,0 +1,56 @@
+"""Configuration: one typed object from CLI flags, QVL_* env vars and defaults; CPU facts that pick defaults."""
+import pytest
+
+from qvl import cpu, settings
+
+
+def test_flag_beats_env_beats_default():
+    s = settings.parse(["--threads", "1"], env={"QVL_THREADS": "3", "QVL_MAX_NEW_TOKENS": "50"})
+    assert s.threads == 1 and s.gen.max_new_tokens == 50 and s.gen.top_k == 20
+
+
+def test_every_setting_has_a_flag_and_an_env_var():
+    flags = settings.parse([], env={"QVL_GREEDY": "yes", "QVL_CACHE": "0", "QVL_AUTH": "ann:secret"})
+    assert flags.gen.greedy and not flags.cache and flags.auth == "ann:secret"
+    assert settings.parse(["--no-cache", "--greedy", "--share"], env={}).share
+
+
+def test_bind_is_localhost_unless_spaces_sets_it():
+    assert settings.parse([], env={}).host == "127.0.0.1"
+
+
+def test_spaces_server_name_and_port_are_honoured(monkeypatch):
+    monkeypatch.setenv("GRADIO_SERVER_NAME", "0.0.0.0")
+    monkeypatch.setenv("GRADIO_SERVER_PORT", "7861")
+    s = settings.parse([], env={})
+    assert (s.host, s.port) == ("0.0.0.0", 7861)
+    assert settings.parse(["--host", "127.0.0.1"], env={}).host == "127.0.0.1"
+
+
+def test_qwen_instruct_sampling_defaults():
+    g = settings.GenParams()
+    assert (g.temperature, g.top_p, g.top_k, g.greedy) == (0.7, 0.8, 20, False)
+    assert 100 <= g.max_new_tokens <= 512
+
+
+@pytest.mark.parametrize(
+    "argv, env, named",
+    [(["--quant", "fp16"], {}, "--quant"), ([], {"QVL_THREADS": "many"}, "QVL_THREADS"),
+     ([], {"QVL_GREEDY": "maybe"}, "QVL_GREEDY"), (["--port", "http"], {}, "--port")],
+)
+def test_bad_values_are_refused_with_the_name_of_the_setting(argv, env, named, capsys):
+    with pytest.raises(SystemExit):
+        settings.parse(argv, env=env)
+    assert named in capsys.readouterr().err
+
+
+def test_default_threads_follow_the_cgroup_quota(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cpu.available_cores(tmp_path) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu.available_cores(tmp_path) == cpu.available_cores(tmp_path / "none")
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    assert cpu.available_cores(v1) == 1
