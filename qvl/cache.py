@@ -1,0 +1,207 @@
+"""Answers on disk, so a repeated image + question costs milliseconds instead of seconds of CPU.
+
+The key is everything that determines an answer and nothing else: the decoded pixels of each image (after EXIF
+orientation and RGB conversion, so re-uploading the same photo, or the same pixels as PNG or lossless WebP, hits),
+the whole conversation (roles, texts and where the images are), every GenParams field, and the model's identity
+(source, weights version, precision/quantization).
+
+Sampled answers: GenParams.seed is fixed by default, so a sampled answer is a function of the inputs and the seed,
+and it is cached like a greedy one; asking again returns the same answer the model would have given. Regenerate in
+the UI picks a fresh random seed and bypasses the cache, so it always runs the model.
+
+Only complete answers are stored (never a stopped one, never an empty one; the caller never stores a failed one),
+as JSON text: the answer, its Stats and when it was made. Nothing read from the cache directory is ever unpickled.
+
+The directory is a diskcache (SQLite), bounded by size with least-recently-used eviction, kept across restarts and
+safe to share between processes. A cache that cannot be used (unwritable, corrupted, deleted and not recreatable)
+never breaks answering: one warning is logged, the app answers without it, and info()["error"] says why; clear()
+tries it again.
+"""
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+import diskcache
+
+from qvl import images
+
+log = logging.getLogger("qvl")
+
+_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}  # binary, as Gradio's sizes
+
+
+def parse_size(text) -> int:
+    """Bytes from "500MB", "2GB", "1.5gb", "4096" or an int; units are powers of 1024 (KiB spellings accepted)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", str(text).lower())
+    if not match:
+        raise ValueError(f"size {text!r} not understood; write a number with an optional unit, e.g. 500MB or 2GB")
+    return int(float(match[1]) * _UNITS[(match[2] or "").replace("i", "")])
+
+
+@dataclass(frozen=True)
+class Hit:
+    text: str
+    stats: dict  # the answer's Stats as a plain dict
+    created: float  # unix time the answer was generated
+
+
+class _NoPickleDisk(diskcache.Disk):
+    """Reads only plain values: a pickled one (planted by another program) is never loaded."""
+
+    def get(self, key, raw):
+        if not raw:
+            raise OSError("pickled key refused")
+        return super().get(key, raw)
+
+    def fetch(self, mode, filename, value, read):
+        if mode == diskcache.core.MODE_PICKLE:
+            raise OSError("pickled value refused")  # diskcache treats an unreadable value as a missing key
+        return super().fetch(mode, filename, value, read)
+
+
+def _pixels(image) -> str:
+    return hashlib.sha256(f"{image.mode} {image.width}x{image.height}\n".encode() + image.tobytes()).hexdigest()
+
+
+def _file_id(path: str):
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+class AnswerCache:
+    def __init__(self, directory: str, size_limit: int | str = "2GB", enabled: bool = True):
+        self.directory = os.path.abspath(os.path.expanduser(directory))
+        self.size_limit = parse_size(size_limit)
+        self.enabled = enabled  # switched live from the Settings tab
+        self.hits = self.misses = 0  # since this process started
+        self.error: str | None = None
+        self._cache: diskcache.Cache | None = None
+        self._db_id = None
+        self._lock = threading.Lock()
+        if enabled:
+            self._live()  # a broken directory is reported at start-up, not at the first question
+
+    def key(self, turns, params, model_identity: str) -> str:
+        """The answer's key. Decodes every image, so an unreadable one raises images.ImageError, like the engine."""
+        conversation = [
+            {"role": t.role, "text": t.text, "images": [_pixels(images.load(s)) for s in t.images]} for t in turns
+        ]
+        canonical = json.dumps(
+            {"model": model_identity, "params": dataclasses.asdict(params), "turns": conversation},
+            sort_keys=True, ensure_ascii=False,
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def get(self, key: str) -> Hit | None:
+        cache = self._live()
+        if cache is None:
+            return None
+        try:
+            value = cache.get(key)
+        except diskcache.Timeout:  # another process holds the lock for long: a miss, not a broken cache
+            value = None
+        except Exception as e:
+            self._fail(e)
+            return None
+        try:
+            record = json.loads(value)
+            hit = Hit(text=record["text"], stats=dict(record["stats"]), created=float(record["created"]))
+        except (TypeError, ValueError, KeyError):  # absent, or an entry this code did not write
+            hit = None
+        with self._lock:
+            self.hits, self.misses = self.hits + (hit is not None), self.misses + (hit is None)
+        return hit
+
+    def put(self, key: str, text: str, stats) -> bool:
+        """Store a complete answer; a stopped or empty one is refused (False), as is any write when unusable."""
+        if stats.stopped or not text.strip():
+            return False
+        cache = self._live()
+        if cache is None:
+            return False
+        record = {"text": text, "stats": dataclasses.asdict(stats), "created": time.time()}
+        try:
+            return cache.set(key, json.dumps(record, ensure_ascii=False))
+        except diskcache.Timeout:
+            return False
+        except Exception as e:
+            self._fail(e)
+            return False
+
+    def clear(self) -> None:
+        """Empty the cache; after a fault, try the directory again first."""
+        self.error = None
+        cache = self._live()
+        if cache is not None:
+            try:
+                cache.clear()
+            except Exception as e:
+                self._fail(e)
+        with self._lock:
+            self.hits = self.misses = 0
+
+    def info(self) -> dict:
+        cache = self._live()
+        entries = size = 0
+        if cache is not None:
+            try:
+                entries, size = len(cache), cache.volume()
+            except Exception as e:
+                self._fail(e)
+        return {
+            "enabled": self.enabled, "entries": entries, "size_bytes": size, "hits": self.hits,
+            "misses": self.misses, "directory": self.directory, "error": self.error,
+        }
+
+    def _live(self) -> diskcache.Cache | None:
+        """The open cache, reopened when its directory was deleted or replaced; None when off or unusable."""
+        if not self.enabled or self.error:
+            return None
+        db = os.path.join(self.directory, diskcache.core.DBNAME)
+        with self._lock:
+            if self._cache is not None and _file_id(db) == self._db_id:
+                return self._cache
+            replaced = self._cache is not None
+            if replaced:  # SQLite would go on writing into the deleted file, and every answer would be lost
+                self._cache.close()
+            try:
+                self._cache = diskcache.Cache(
+                    self.directory, timeout=1, disk=_NoPickleDisk, size_limit=self.size_limit,
+                    eviction_policy="least-recently-used",
+                    cull_limit=1,  # evict one least-recently-used answer per write, not a batch of ten
+                )
+                self._db_id = _file_id(db)
+                if replaced:
+                    log.warning("answer cache %s was deleted or replaced; started a new one there", self.directory)
+            except Exception as e:
+                self._cache = None
+                self._fail_locked(e)
+            return self._cache
+
+    def _fail(self, error: Exception) -> None:
+        with self._lock:
+            self._fail_locked(error)
+
+    def _fail_locked(self, error: Exception) -> None:
+        if self.error:
+            return
+        self.error = f"{type(error).__name__}: {error}"
+        log.warning(
+            "answer cache %s is unusable (%s); answering without it. Delete or fix the folder, or choose another "
+            "with --cache-dir, then press Clear in Settings to retry.", self.directory, self.error,
+        )
+        if self._cache is not None:
+            try:
+                self._cache.close()
+            except Exception:  # closing a broken database can fail too; it is dropped either way
+                pass
+            self._cache = None
