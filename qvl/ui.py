@@ -35,11 +35,11 @@ TEXT = {
         "title": "## Chat about images with Qwen3-VL, on a CPU",
         "intro": "Add images (upload, drag and drop or paste), ask, press Enter. Answers stream in from this "
                  "machine's CPU; a repeated question is answered from the cache at once.",
-        "fallback": "⚠️ **Offline fallback**: the real model could not be loaded, so a tiny random model is "
+        "fallback": "⚠ **Offline fallback**: the real model could not be loaded, so a tiny random model is "
                     "answering: its answers are gibberish. The reason is in Settings.",
         "chat": "Chat", "settings": "Settings", "conversation": "Conversation",
         "placeholder": "Ask about your images… (Enter sends, Shift+Enter for a new line)",
-        "stop": "⏹ Stop", "regenerate": "🔄 Regenerate", "undo": "↩️ Undo", "clear": "🗑️ Clear",
+        "stop": "Stop", "regenerate": "Regenerate", "undo": "Undo", "clear": "Clear",
         "examples": "Examples",
         "threads": "Intra-op threads (whole server, applies at once)",
         "interop": "Inter-op threads (applies at restart: --interop-threads)",
@@ -51,7 +51,7 @@ TEXT = {
         "cache_clear": "Clear the cache", "refresh": "Refresh",
         "facts": "### This server",
         # Filled in on the server for the browser's language (Accept-Language), so they carry placeholders.
-        "waiting": "⏳ Waiting in line: {ahead} request(s) ahead of you…",
+        "waiting": "Waiting in line: {ahead} request(s) ahead of you…",
         "busy": "The server is busy ({size} requests are already waiting). Please try again shortly.",
         "failed": "Something went wrong while answering ({error}). Please try again.",
         "stopped": "stopped",
@@ -66,10 +66,10 @@ TEXT = {
     "zh-CN": {
         "title": "## 用 Qwen3-VL 聊图片（CPU 运行）",
         "intro": "添加图片（上传、拖放或粘贴），提问，按回车。回答由本机 CPU 逐字生成；重复的问题会立即从缓存回答。",
-        "fallback": "⚠️ **离线后备模式**：无法加载真实模型，当前由一个微型随机模型回答，内容没有意义。原因见“设置”。",
+        "fallback": "⚠ **离线后备模式**：无法加载真实模型，当前由一个微型随机模型回答，内容没有意义。原因见“设置”。",
         "chat": "聊天", "settings": "设置", "conversation": "对话",
         "placeholder": "关于图片提问……（回车发送，Shift+回车换行）",
-        "stop": "⏹ 停止", "regenerate": "🔄 重新生成", "undo": "↩️ 撤销", "clear": "🗑️ 清空",
+        "stop": "停止", "regenerate": "重新生成", "undo": "撤销", "clear": "清空",
         "examples": "示例",
         "threads": "算子内线程数（全服务器，立即生效）",
         "interop": "算子间线程数（重启后生效：--interop-threads）",
@@ -80,7 +80,7 @@ TEXT = {
         "cache": "### 回答缓存", "use_cache": "重复的问题从缓存回答",
         "cache_clear": "清空缓存", "refresh": "刷新",
         "facts": "### 本服务器",
-        "waiting": "⏳ 排队中：前面还有 {ahead} 个请求……",
+        "waiting": "排队中：前面还有 {ahead} 个请求……",
         "busy": "服务器繁忙（已有 {size} 个请求在排队），请稍后再试。",
         "failed": "回答时出错（{error}），请重试。",
         "stopped": "已停止",
@@ -110,7 +110,7 @@ class Line:
 
     def join(self) -> object:
         if len(self.tickets) > self.size:
-            raise Busy
+            raise Busy(self.size)
         ticket = object()
         self.tickets.append(ticket)
         return ticket
@@ -147,6 +147,16 @@ def _lang(request: gr.Request | None) -> str:
     return "zh-CN" if accept.strip().lower().startswith("zh") else "en"
 
 
+def _problem(lang: str, error: Exception) -> str:
+    """What the user is told when there is no answer: how to fix their input, to retry, or what went wrong."""
+    if isinstance(error, InputError):
+        return str(error)
+    if isinstance(error, Busy):
+        return TEXT[lang]["busy"].format(size=error.args[0])
+    log.error("answer failed", exc_info=error)
+    return TEXT[lang]["failed"].format(error=type(error).__name__)
+
+
 def _stats_line(lang: str, update: Update) -> str:
     s, text = update.stats, TEXT[lang]
     parts = [text["stats"].format(
@@ -155,7 +165,7 @@ def _stats_line(lang: str, update: Update) -> str:
     if s.get("truncated"):
         parts.append(text["truncated"])
     if update.cached:
-        parts.append("⚡ " + text["cached"])
+        parts.append(text["cached"])
     return " · ".join(parts)
 
 
@@ -249,14 +259,9 @@ def build(engine, cache, settings) -> gr.Blocks:
                         reply["note"] = _stats_line(lang, update) if update.stats else (
                             TEXT[lang]["waiting"].format(ahead=update.ahead) if update.ahead else "")
                         yield conversation, _render(conversation)
-            except (InputError, Busy) as e:
-                message = TEXT[lang]["busy"].format(size=line.size) if isinstance(e, Busy) else str(e)
-                conversation[-2:] = [dict(conversation[-2], failed=True), dict(reply, note="⚠️ " + message, failed=True)]
-                yield conversation, _render(conversation)
             except Exception as e:
-                log.exception("answer failed")
-                message = TEXT[lang]["failed"].format(error=type(e).__name__)
-                conversation[-2:] = [dict(conversation[-2], failed=True), dict(reply, note="⚠️ " + message, failed=True)]
+                note = "⚠ " + _problem(lang, e)
+                conversation[-2:] = [dict(conversation[-2], failed=True), dict(reply, note=note, failed=True)]
                 yield conversation, _render(conversation)
 
         return respond
@@ -278,13 +283,8 @@ def build(engine, cache, settings) -> gr.Blocks:
                         yield "", TEXT[lang]["waiting"].format(ahead=update.ahead), conversation
                     else:
                         yield update.text, "", conversation
-        except InputError as e:
-            raise gr.Error(str(e)) from None
-        except Busy:
-            raise gr.Error(TEXT[lang]["busy"].format(size=line.size)) from None
         except Exception as e:
-            log.exception("answer failed")
-            raise gr.Error(TEXT[lang]["failed"].format(error=type(e).__name__)) from None
+            raise gr.Error(_problem(lang, e)) from None
 
     def add_user(message: dict, conversation: list):
         text, files = (message or {}).get("text", ""), (message or {}).get("files", [])
@@ -295,7 +295,7 @@ def build(engine, cache, settings) -> gr.Blocks:
         """Keep what was said so far, marked as stopped; an answer that had not begun is dropped."""
         last = conversation[-1] if conversation else {}
         if last.get("role") == "assistant" and not last.get("done") and not last.get("failed"):
-            stopped = dict(last, note="⏹ " + TEXT[_lang(request)]["stopped"])
+            stopped = dict(last, note=TEXT[_lang(request)]["stopped"])
             conversation = conversation[:-1] + ([stopped] if last["text"] else [])
         return conversation, _render(conversation), gr.MultimodalTextbox(interactive=True)
 
@@ -327,14 +327,14 @@ def build(engine, cache, settings) -> gr.Blocks:
                 ("fact_cpu", f"{cpu.model_name()} · {flags}"), ("fact_versions", versions)]
         if engine.fallback:
             rows.append(("fact_fallback", engine.fallback))
-        return "| | |\n|---|---|\n" + "\n".join(f"| {text[k]} | {v} |" for k, v in rows)
+        return "\n".join(f"- **{text[k]}**: {v}" for k, v in rows)
 
     def cache_status(request: gr.Request) -> str:
         text, info = TEXT[_lang(request)], cache.info()
         state = text["broken"] if info["error"] else text["on"] if info["enabled"] else text["off"]
         line_ = text["cache_line"].format(state=state, entries=info["entries"], size=info["size_bytes"] / 1e6,
                                           hits=info["hits"], misses=info["misses"], directory=info["directory"])
-        return line_ + (f"\n\n⚠️ `{info['error']}`" if info["error"] else "")
+        return line_ + (f"\n\n⚠ `{info['error']}`" if info["error"] else "")
 
     def clear_cache(request: gr.Request) -> str:
         cache.clear()

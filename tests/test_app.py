@@ -1,0 +1,119 @@
+"""The launched app through its `ask` API (gradio_client), as a script or another program would use it."""
+import threading
+import time
+
+import pytest
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
+
+from qvl.ui import ASSETS
+
+CHART = str(ASSETS / "chart.png")
+
+
+@pytest.fixture(scope="module")
+def app(launch_app):
+    # Answers of exactly 160 tokens (1-3 s here): long enough to stream and to keep requests waiting behind them.
+    with launch_app("--min-new-tokens", "160", "--max-new-tokens", "160", "--queue-size", "2") as running:
+        yield running
+
+
+def ask(client: Client, question: str, images=(), **params):
+    return client.submit([handle_file(p) for p in images], question, api_name="/ask", **params)
+
+
+def collect(job) -> list[tuple[float, str, str]]:
+    """Every streamed (arrival time, answer, status) of a job, in order."""
+    return [(time.monotonic(), answer, status) for answer, status in job]
+
+
+def test_an_image_question_is_answered_as_a_stream(app):
+    updates = collect(ask(Client(app.url, verbose=False), "What does this chart show?", [CHART], use_cache=False))
+    answers = [answer for _, answer, _ in updates if answer]
+    assert len(answers) >= 3  # token by token, not all at once
+    assert all(later.startswith(earlier) for earlier, later in zip(answers, answers[1:]))
+    final_answer, final_status = updates[-1][1:]
+    assert final_answer == answers[-1] != ""
+    assert "first token" in final_status and "tok/s" in final_status and "cached" not in final_status
+
+
+def test_a_second_turn_carries_the_first_turns_image_until_a_new_conversation(app):
+    client, short = Client(app.url, verbose=False), dict(use_cache=False, max_new_tokens=8, api_name="/ask")
+    client.predict([handle_file(CHART)], "What does this chart show?", **short)
+    _, follow_up = client.predict([], "Which bar is the tallest?", **short)
+    client.predict(api_name="/new_conversation")
+    _, alone = client.predict([], "Which bar is the tallest?", **short)
+    assert "· 0 image tokens" not in follow_up and "image tokens" in follow_up
+    assert "· 0 image tokens" in alone
+
+
+def test_a_repeated_question_is_answered_from_the_cache(app):
+    first = Client(app.url, verbose=False).predict([handle_file(CHART)], "Name them.", max_new_tokens=8, api_name="/ask")
+    again = Client(app.url, verbose=False).predict([handle_file(CHART)], "Name them.", max_new_tokens=8, api_name="/ask")
+    assert "cached" not in first[1]
+    assert again[0] == first[0] and "cached" in again[1]
+
+
+def test_a_cached_answer_does_not_wait_behind_running_generations(app):
+    clients = [Client(app.url, verbose=False) for _ in range(3)]
+    clients[0].predict([handle_file(CHART)], "Count the bars.", api_name="/ask")
+    running = ask(clients[0], "Describe the colours.", [CHART], use_cache=False)
+    while not running.outputs():
+        time.sleep(0.02)
+    waiting = ask(clients[1], "Describe the axes.", [CHART], use_cache=False)
+    while not waiting.outputs():
+        time.sleep(0.02)
+    _, status = clients[2].predict([handle_file(CHART)], "Count the bars.", api_name="/ask")
+    assert "cached" in status
+    assert not waiting.done()  # answered while two generations were still ahead of it
+    collect(running), collect(waiting)
+
+
+def test_a_second_client_waits_in_line_and_is_answered_after_the_first(app):
+    first, second = Client(app.url, verbose=False), Client(app.url, verbose=False)
+    jobs = [ask(first, "What colour is the first bar?", [CHART], use_cache=False)]
+    while not jobs[0].outputs():
+        time.sleep(0.02)
+    jobs.append(ask(second, "What colour is the last bar?", [CHART], use_cache=False))
+    results = [None, None]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, collect(jobs[i]))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first_updates, second_updates = results
+    assert any("Waiting in line: 1 request(s) ahead" in status for _, _, status in second_updates)
+    assert "first token" in first_updates[-1][2] and "first token" in second_updates[-1][2]
+    first_done = first_updates[-1][0]
+    assert all(arrived >= first_done for arrived, answer, _ in second_updates if answer)
+
+
+def test_a_stopped_answer_frees_the_worker_for_the_next_request(app):
+    stopped = ask(Client(app.url, verbose=False), "Tell me everything.", [CHART], use_cache=False)
+    while not stopped.outputs() or not stopped.outputs()[-1][0]:
+        time.sleep(0.02)  # streaming
+    waiting = ask(Client(app.url, verbose=False), "And now this.", [CHART], use_cache=False)
+    while not waiting.outputs():
+        time.sleep(0.02)  # in line behind it
+    stopped.cancel()
+    answer, status = waiting.result(timeout=60)
+    assert answer and "first token" in status
+    assert "first token" not in stopped.outputs()[-1][1]  # it never finished
+
+
+def test_past_the_queue_bound_a_request_is_told_to_retry(app):
+    clients = [Client(app.url, verbose=False) for _ in range(4)]
+    jobs = [ask(client, f"Question {i}?", [CHART], use_cache=False) for i, client in enumerate(clients[:3])]
+    while not all(job.outputs() for job in jobs):
+        time.sleep(0.02)  # one running, two waiting: the bound of --queue-size 2
+    with pytest.raises(AppError, match="busy"):
+        clients[3].predict([handle_file(CHART)], "One too many?", use_cache=False, api_name="/ask")
+    for job in jobs:
+        job.result(timeout=60)
+
+
+def test_bad_input_gets_a_message_and_the_next_request_works(app):
+    with pytest.raises(AppError, match="type a question or add an image"):
+        Client(app.url, verbose=False).predict([], "", api_name="/ask")
+    answer, _ = Client(app.url, verbose=False).predict([], "Hello?", use_cache=False, max_new_tokens=8, api_name="/ask")
+    assert answer
