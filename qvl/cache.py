@@ -52,12 +52,7 @@ class Hit:
 
 
 class _NoPickleDisk(diskcache.Disk):
-    """Reads only plain values: a pickled one (planted by another program) is never loaded."""
-
-    def get(self, key, raw):
-        if not raw:
-            raise OSError("pickled key refused")
-        return super().get(key, raw)
+    """Loads only plain values: a pickled one (planted by another program) reads as missing, never unpickled."""
 
     def fetch(self, mode, filename, value, read):
         if mode == diskcache.core.MODE_PICKLE:
@@ -174,8 +169,8 @@ class AnswerCache:
             if replaced:  # SQLite would go on writing into the deleted file, and every answer would be lost
                 self._cache.close()
             try:
-                self._cache = diskcache.Cache(
-                    self.directory, timeout=1, disk=_NoPickleDisk, size_limit=self.size_limit,
+                self._cache = diskcache.Cache(  # timeout: wait for another process's write 2 s, then miss
+                    self.directory, timeout=2, disk=_NoPickleDisk, size_limit=self.size_limit,
                     eviction_policy="least-recently-used",
                     cull_limit=1,  # evict one least-recently-used answer per write, not a batch of ten
                 )
@@ -205,3 +200,93 @@ class AnswerCache:
             except Exception:  # closing a broken database can fail too; it is dropped either way
                 pass
             self._cache = None
+
+
+def bench(repeats: int = 20, image: str = "assets/chart.png", question: str = "What does this chart show?"):
+    """Cached-repeat latency through the real API: app.py on the tiny model, one answer, then timed repeats.
+
+    Each repeat is a whole client request: the photo uploaded again and the answer streamed back, measured with
+    gradio_client (which polls its stream every 50 ms) and with plain HTTP calls to /gradio_api/call/ask.
+    """
+    import socket
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+
+    import httpx
+    from gradio_client import Client, handle_file
+
+    from qvl import settings, tiny
+
+    with tempfile.TemporaryDirectory() as work, socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        model = str(tiny.build(os.path.join(work, "tiny")))
+        log_path = os.path.join(work, "app.log")
+        app = subprocess.Popen(
+            [sys.executable, "app.py", "--model", model, "--port", str(port), "--cache-dir", os.path.join(work, "c")],
+            stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            client = None
+            for _ in range(600):
+                if app.poll() is not None:
+                    raise SystemExit(f"app.py exited with {app.returncode}:\n{open(log_path).read()[-3000:]}")
+                try:
+                    client = Client(url, verbose=False, analytics_enabled=False)
+                    break
+                except (httpx.HTTPError, ValueError):
+                    time.sleep(0.5)
+            first, _ = client.predict([handle_file(image)], question, api_name="/ask")
+
+            def via_client():
+                client.predict(api_name="/new_conversation")  # the same question again, not a follow-up
+                start = time.perf_counter()
+                answer, status = client.predict([handle_file(image)], question, api_name="/ask")
+                return time.perf_counter() - start, answer, status
+
+            gen = dataclasses.asdict(settings.GenParams())
+            controls = [gen[name] for name in ("max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k",
+                                               "greedy", "seed")]
+
+            http = httpx.Client(base_url=url)  # one connection, kept alive, as a client app would
+
+            def via_http():
+                start = time.perf_counter()
+                with open(image, "rb") as f:
+                    (path,) = http.post("/gradio_api/upload", files={"files": f}).json()
+                upload = {"path": path, "meta": {"_type": "gradio.FileData"}}
+                event = http.post("/gradio_api/call/ask", json={"data": [[upload], question, True, *controls]})
+                with http.stream("GET", f"/gradio_api/call/ask/{event.json()['event_id']}") as stream:
+                    lines = list(stream.iter_lines())
+                answer, status, _ = json.loads(lines[lines.index("event: complete") + 1].removeprefix("data: "))
+                return time.perf_counter() - start, answer, status
+
+            for name, ask in (("gradio_client", via_client), ("HTTP /gradio_api/call/ask", via_http)):
+                runs = [ask() for _ in range(repeats)]
+                if any(answer != first or not status.endswith("cached") for _, answer, status in runs):
+                    raise SystemExit(f"{name}: a repeat was not answered from the cache: {runs[0][1:]}")
+                ms = sorted(1000 * seconds for seconds, _, _ in runs)
+                print(f"{name}: cached repeat, {repeats} runs: p50 {statistics.median(ms):.0f} ms, "
+                      f"p95 {ms[round(0.95 * (repeats - 1))]:.0f} ms (load average {os.getloadavg()[0]:.1f} "
+                      f"on {os.cpu_count()} CPUs)")
+        finally:
+            app.terminate()
+            app.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m qvl.cache", description=bench.__doc__.splitlines()[0])
+    parser.add_argument("--bench", action="store_true", help="measure cached-repeat latency through app.py's API")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    if args.bench:
+        logging.basicConfig(level=logging.WARNING)
+        bench(args.repeats)
+    else:
+        parser.print_help()
