@@ -52,6 +52,15 @@ _HELP = {
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",
+    "max_new_tokens": "longest answer, in tokens",
+    "temperature": "sampling temperature",
+    "top_p": "nucleus sampling: keep the likeliest tokens up to this probability mass",
+    "top_k": "sample among this many likeliest tokens",
+    "greedy": "always take the likeliest token (deterministic; ignores temperature, top-p, top-k)",
+    "seed": "random seed for sampling",
+    "max_image_tokens": "visual-token budget per image (fewer is faster; OCR and grounding want 1024+)",
+    "min_image_tokens": "smallest visual-token count per image (tiny images are upscaled to it)",
+    "min_new_tokens": "force answers to at least this many tokens (for benchmarks)",
     "host": "address to bind; 0.0.0.0 exposes the app to your network",
     "port": "port to serve on",
     "share": "create a public Gradio share link",
@@ -92,7 +101,8 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
     parser = argparse.ArgumentParser(prog="app.py", description="Chat about images with Qwen3-VL on a CPU.")
     for name, kind, default in _flags(base):
         flag, var = "--" + name.replace("_", "-"), "QVL_" + name.upper()
-        help_text = f"{_HELP.get(name, name.replace('_', ' '))} [env {var}]"
+        shown = "" if name == "auth" else f", default {default}"  # a secret stays out of --help output
+        help_text = f"{_HELP[name]} [env {var}{shown}]"
         if var in env:
             try:
                 default = _parse_bool(env[var]) if kind is bool else kind(env[var])
