@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import random
+import time
 from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
@@ -210,17 +211,19 @@ def build(engine, cache, settings) -> gr.Blocks:
             while ahead := line.ahead(ticket):
                 yield Update(ahead=ahead)
                 await line.moved(timeout=1.0)
-            pieces, step, text = engine.chat(turns, params), None, ""
+            pieces, step, text, shown = engine.chat(turns, params), None, "", 0.0
             try:
                 while True:
                     # Shielded: a cancelled await (Stop) must not leave next() running when the finally closes it.
                     step = asyncio.ensure_future(asyncio.to_thread(next, pieces, None))
                     item = await asyncio.shield(step)
-                    if isinstance(item, str):
-                        text += item
-                        yield Update(text=text)
-                    else:
+                    if not isinstance(item, str):
                         break
+                    text += item
+                    # A fast model would send a browser 100 re-renders a second; 20 look the same and cost it less.
+                    if time.monotonic() - shown >= 0.05:
+                        shown = time.monotonic()
+                        yield Update(text=text)
             finally:
                 if step is not None:
                     await asyncio.wait([step])
