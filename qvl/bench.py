@@ -1,0 +1,248 @@
+"""The speed ladder: each configuration answers the standard request through the real Engine, in a fresh process.
+
+    python -m qvl.bench --random-weights [--rows fp32,int4,auto] [--runs 3] [--json FILE]
+    python -m qvl.bench --model /path/to/Qwen3-VL-2B-Instruct
+
+Standard request: one 640x480 photo-like image (300 image tokens), a one-sentence question, 64 new tokens forced
+(greedy, min_new_tokens = max_new_tokens = 64), one warm-up, then --runs timed runs (medians reported). Fidelity is
+measured teacher-forced over the fp32 row's answer, so the `fp32` row must run first for the other rows to get it.
+Random weights give near-uniform logits: their top-1 agreement says little, and real-weight quality is only
+measured when real weights are given with --model.
+"""
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+from qvl import cpu, generate, quant, settings, tiny
+from qvl.engine import Engine, Turn
+
+CONFIG = Path(__file__).with_name("qwen3-vl-2b-instruct.config.json")
+RANDOM_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "random-2b-v1"
+QUESTION = "What is in this photo? Describe the main objects, their colours and where they are."
+NEW_TOKENS = 64
+JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+# name -> (quant mode, extra environment, command prefix); each runs in its own process.
+ROWS = {
+    "fp32": ("fp32", {}, []),
+    "bf16": ("bf16", {}, []),
+    "int8": ("int8", {}, []),
+    "int4": ("int4", {}, []),
+    "auto": ("auto", {}, []),
+    "auto+jemalloc": ("auto", {"LD_PRELOAD": JEMALLOC}, []),
+    "auto+tcmalloc": ("auto", {"LD_PRELOAD": TCMALLOC}, []),
+    "auto+1thread": ("auto", {"QVL_THREADS": "1"}, []),
+    "auto+pinned": ("auto", {}, ["taskset", "-c", ",".join(map(str, sorted(os.sched_getaffinity(0))))]),
+}
+DEFAULT_ROWS = "fp32,int8,int4,auto,auto+jemalloc,auto+tcmalloc"
+
+
+def random_checkpoint(out: Path = RANDOM_DIR) -> Path:
+    """The exact Qwen3-VL-2B architecture with random bf16 weights, saved once with the tiny byte tokenizer.
+
+    The tiny tokenizer's special tokens sit at ids 256.. rather than 151643..; the config's special ids are moved
+    there, which changes no tensor shape and so no compute.
+    """
+    if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_dir = tiny.build(tmp)
+        tiny_config = json.loads((tiny_dir / "config.json").read_text())
+        config = json.loads(CONFIG.read_text())
+        for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            config[key] = tiny_config[key]
+        for key in ("bos_token_id", "eos_token_id"):
+            config["text_config"][key] = tiny_config["text_config"][key]
+        torch.manual_seed(0)
+        model = Qwen3VLForConditionalGeneration._from_config(Qwen3VLConfig(**config), dtype=torch.bfloat16)
+        model.generation_config.eos_token_id = config["text_config"]["eos_token_id"]
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out)
+        for path in tiny_dir.iterdir():
+            if not path.name.startswith(("model", "config", "generation_config", "qvl_tiny")):
+                shutil.copy(path, out / path.name)
+    return out
+
+
+def photo() -> Image.Image:
+    """A deterministic 640x480 image with a photo's structure: a sky gradient, shapes, and sensor noise."""
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:480, 0:640]
+    sky = np.stack([90 + x / 8, 140 + y / 6, 230 - y / 5], -1)
+    image = Image.fromarray(np.clip(sky, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    draw.rectangle([0, 330, 640, 480], fill=(70, 120, 50))
+    draw.ellipse([420, 60, 520, 160], fill=(250, 220, 90))
+    draw.rectangle([120, 210, 300, 360], fill=(160, 60, 40))
+    draw.polygon([(100, 210), (210, 130), (320, 210)], fill=(90, 40, 30))
+    noisy = np.asarray(image, dtype=np.float32) + rng.normal(0, 6, (480, 640, 3))
+    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+
+
+def bandwidth_gb_s() -> float:
+    """Memory read bandwidth: the best of a few sums over a 1 GiB tensor (far beyond any cache)."""
+    data = torch.ones(1 << 28)
+    best = float("inf")
+    for _ in range(4):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def decode_bytes(model) -> int:
+    """Weight bytes one decode step reads: the language model and head, not the vision tower, the token table
+    (one row per step) nor int4's prefill twins."""
+    modules = [*model.model.language_model.modules(), *model.lm_head.modules()]
+    skip = {id(m.prefill) for m in modules if isinstance(m, quant.Int4Linear)}
+    total = 0
+    for sub in modules:
+        if id(sub) in skip or isinstance(sub, (torch.nn.Embedding, quant.Bf16Embedding)):
+            continue
+        if isinstance(sub, torch.ao.nn.quantized.dynamic.Linear):
+            total += sub.weight().numel()  # int8, held in fbgemm's packed form rather than as a parameter
+        total += sum(t.numel() * t.element_size() for t in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)])
+    return total
+
+
+def fidelity(logits: torch.Tensor, reference: torch.Tensor) -> dict:
+    """How far logits are from the reference's, position by position: SQNR in dB, mean KL(ref || this), top-1."""
+    logits, reference = logits.float(), reference.float()
+    noise = (logits - reference).pow(2).sum()
+    sqnr = 10 * torch.log10(reference.pow(2).sum() / noise).item() if noise > 0 else float("inf")
+    ref_logp, logp = reference.log_softmax(-1), logits.log_softmax(-1)
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean().item()
+    top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    return {"sqnr_db": sqnr, "kl": kl, "top1_agreement": top1}
+
+
+def teacher_forced_logits(engine, inputs: dict, answer: list[int]) -> torch.Tensor:
+    """Logits predicting each answer token, with the prompt and the given answer as input."""
+    extra = torch.tensor([answer[:-1]])
+    forced = dict(inputs, input_ids=torch.cat([inputs["input_ids"], extra], 1))
+    for key in ("attention_mask", "mm_token_type_ids"):
+        if key in inputs:
+            fill = torch.ones_like(extra) if key == "attention_mask" else torch.zeros_like(extra)
+            forced[key] = torch.cat([inputs[key], fill.to(inputs[key].dtype)], 1)
+    with torch.inference_mode():
+        return engine.model(**forced, logits_to_keep=len(answer)).logits[0].float()
+
+
+def child(args):
+    """One row: load through the Engine, warm up, time --runs answers, then measure fidelity against fp32's."""
+    start = time.perf_counter()
+    argv = ["--model", args.model, "--quant", args.quant, "--no-cache", "--require-model"]
+    engine = Engine(settings.parse(argv, env={k: v for k, v in os.environ.items() if k == "QVL_THREADS"}))
+    params = settings.GenParams(greedy=True, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, max_image_tokens=320)
+    turn = Turn("user", QUESTION, (photo(),))
+    runs = []
+    for i in range(args.runs + 1):
+        runs.append(list(engine.chat([turn], params))[-1])
+        if i == 0:
+            load_s = time.perf_counter() - start  # ready means warmed up: first-call costs belong to loading
+    runs = runs[1:]
+    inputs, image_tokens = engine._inputs([turn], params)
+    reference = Path(args.reference)
+    if args.child == "fp32":
+        ids = list(generate.stream(engine.model, inputs, params, threading.Event()))
+        torch.save({"ids": ids, "logits": teacher_forced_logits(engine, inputs, ids)}, reference)
+    row = {
+        "name": args.child, "precision": engine.precision, "threads": engine.threads, "load_s": load_s,
+        "ttft_s": statistics.median(s.ttft_s for s in runs),
+        "decode_tok_s": statistics.median(s.decode_tok_s for s in runs),
+        "e2e_s": statistics.median(s.total_s for s in runs),
+        "image_tokens": image_tokens, "prompt_tokens": runs[0].prompt_tokens, "new_tokens": runs[0].new_tokens,
+        "decode_gb": decode_bytes(engine.model) / 1e9,
+    }
+    if reference.exists():
+        ref = torch.load(reference)
+        row.update(fidelity(teacher_forced_logits(engine, inputs, ref["ids"]), ref["logits"]))
+    row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    Path(args.out).write_text(json.dumps(row))
+
+
+def run_row(name: str, model: str, runs: int, reference: Path) -> dict:
+    mode, env, prefix = ROWS[name]
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [*prefix, sys.executable, "-m", "qvl.bench", "--child", name, "--quant", mode, "--model", model,
+                   "--runs", str(runs), "--reference", str(reference), "--out", out.name]
+        subprocess.run(command, check=True, env={**os.environ, **env})
+        return json.loads(Path(out.name).read_text())
+
+
+COLUMNS = ["name", "load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "bound_tok_s", "of_bound",
+           "sqnr_db", "kl", "top1_agreement"]
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["name"] == "fp32"), None)
+
+    def cell(row, key):
+        value = row.get(key)
+        if value is None:
+            return "-"
+        if isinstance(value, str):
+            return value
+        text = f"{value:.3g}" if key != "of_bound" else f"{value:.0%}"
+        if base and key in ("load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb") and row is not base:
+            text += f" ({value / base[key]:.2f}x)"
+        return text
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r, k) for k in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m qvl.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint folder or hub id (real weights)")
+    parser.add_argument("--random-weights", action="store_true", help="the 2B architecture with random weights")
+    parser.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma-separated subset of {', '.join(ROWS)}")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per row, after one warm-up")
+    parser.add_argument("--json", help="write the results here")
+    for hidden in ("--child", "--quant", "--reference", "--out"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args)
+    if not args.model and not args.random_weights:
+        parser.error("give --model or --random-weights")
+    model = args.model or str(random_checkpoint())
+    names = args.rows.split(",")
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    machine = {"cpu": cpu.describe(), "torch": torch.__version__, "bandwidth_gb_s": bandwidth_gb_s(),
+               "model": "random-weights Qwen3-VL-2B" if args.random_weights else model, "runs": args.runs}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            row = run_row(name, model, args.runs, Path(tmp) / "fp32-reference.pt")
+            row["bound_tok_s"] = machine["bandwidth_gb_s"] / row["decode_gb"]
+            row["of_bound"] = row["decode_tok_s"] / row["bound_tok_s"]
+            rows.append(row)
+            print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
+    print(f"{machine['cpu']}; torch {machine['torch']}; {machine['bandwidth_gb_s']:.1f} GB/s read; "
+          f"{machine['model']}; median of {args.runs} runs after 1 warm-up\n")
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

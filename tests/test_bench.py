@@ -1,0 +1,43 @@
+import json
+import math
+import subprocess
+import sys
+
+import torch
+
+from qvl import bench
+
+
+def test_sqnr_is_infinite_for_identical_logits_and_low_for_noise():
+    torch.manual_seed(0)
+    ref = torch.randn(8, 50)
+    same = bench.fidelity(ref.clone(), ref)
+    assert math.isinf(same["sqnr_db"]) and abs(same["kl"]) < 1e-6 and same["top1_agreement"] == 1.0
+    close = bench.fidelity(ref + 0.01 * torch.randn(8, 50), ref)
+    noise = bench.fidelity(torch.randn(8, 50), ref)
+    assert 35 < close["sqnr_db"] < 45
+    assert noise["sqnr_db"] < 1 and noise["kl"] > close["kl"] and noise["top1_agreement"] < 0.5
+
+
+def test_decode_bytes_shrink_with_quantization(tiny_dir):
+    from qvl import quant
+    fp32 = bench.decode_bytes(quant.load_model(str(tiny_dir), "fp32")[0])
+    int4 = bench.decode_bytes(quant.load_model(str(tiny_dir), "int4")[0])
+    assert 0.1 * fp32 < int4 < 0.3 * fp32
+
+
+def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows", "fp32,auto", "--runs", "1",
+         "--json", str(out)], capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["machine"]["bandwidth_gb_s"] > 0
+    assert [r["name"] for r in data["rows"]] == ["fp32", "auto"]
+    for row in data["rows"]:
+        assert {"load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "sqnr_db", "kl", "top1_agreement"} <= set(row)
+        assert row["new_tokens"] == bench.NEW_TOKENS and row["image_tokens"] == 300
+    assert math.isinf(data["rows"][0]["sqnr_db"]) and data["rows"][1]["sqnr_db"] < 60
+    assert "| fp32 |" in result.stdout and "| auto |" in result.stdout

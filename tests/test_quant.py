@@ -1,0 +1,91 @@
+import threading
+
+import pytest
+import torch
+
+from qvl import generate, quant, settings
+from qvl.engine import Engine, Turn
+from qvl.settings import GenParams
+
+
+@pytest.mark.parametrize("flags, mode", [
+    (frozenset({"AVX2"}), "int4"),
+    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16", "AMX"}), "int4"),
+    (frozenset(), "fp32"),
+])
+def test_auto_resolves_to_a_concrete_mode_for_the_cpu_flags(flags, mode):
+    assert quant.resolve("auto", flags) == mode
+    assert quant.resolve("int8", flags) == "int8"  # an explicit mode is never overridden
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "auto"])
+def test_every_mode_loads_and_answers_through_the_engine(tiny_dir, mode):
+    engine = Engine(settings.parse(["--model", str(tiny_dir), "--quant", mode, "--no-cache"], env={}))
+    assert engine.fallback is None and engine.precision.startswith(quant.resolve(mode))
+    *pieces, stats = engine.chat([Turn("user", "hi")], GenParams(greedy=True, max_new_tokens=5, min_new_tokens=5))
+    assert stats.new_tokens == 5
+
+
+def test_int4_linear_stays_close_to_the_float_layer():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 48, bias=True)
+    x = torch.randn(3, 256)
+    want = linear(x)
+    for rows in (x[:1], x):  # one row takes the int4 kernel, more than DECODE_ROWS would take the int8 twin
+        got = quant.Int4Linear(linear, prefill=True)(rows)
+        assert got.shape == linear(rows).shape
+        assert (got - linear(rows)).norm() / linear(rows).norm() < 0.1
+    assert not torch.allclose(quant.Int4Linear(linear, prefill=False)(x), want, atol=1e-6)  # it is quantized
+
+
+def _sharp(model):
+    """Random weights with large logits, so greedy answers vary token by token (the tiny model's are flat)."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+def test_lean_decode_loop_matches_hf_generate_greedily(tiny_dir, engine):
+    from PIL import Image
+    model = _sharp(quant.load_model(str(tiny_dir), "fp32")[0])
+    image = Image.radial_gradient("L").convert("RGB").resize((96, 64))
+    inputs, _ = engine._inputs([Turn("user", "what is this?", (image,))], GenParams())
+    params = GenParams(greedy=True, max_new_tokens=16, min_new_tokens=16)
+    ours = list(generate.stream(model, inputs, params, threading.Event()))
+    hf = model.generate(**inputs, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert ours == hf[0, inputs["input_ids"].shape[1]:].tolist()
+    assert len(set(ours)) > 1  # a constant answer would not test the cache positions
+
+
+def test_sampling_is_reproducible_per_seed_and_stops_at_eos(tiny_dir, engine):
+    model = _sharp(quant.load_model(str(tiny_dir), "fp32")[0])
+    inputs, _ = engine._inputs([Turn("user", "hello there")], GenParams())
+    eos = model.generation_config.eos_token_id
+    run = lambda seed: list(generate.stream(model, inputs, GenParams(seed=seed, max_new_tokens=40), threading.Event()))
+    assert run(3) == run(3)
+    assert any(run(3) != run(s) for s in (4, 5, 6))
+    for seed in range(8):
+        answer = run(seed)
+        assert all(t not in eos for t in answer[:-1])  # nothing is generated after an end-of-sequence token
+
+
+def test_stop_event_and_closing_end_generation_within_one_step(tiny_dir, engine):
+    inputs, _ = engine._inputs([Turn("user", "hello")], GenParams())
+    params = GenParams(greedy=True, max_new_tokens=50, min_new_tokens=50)
+    stop = threading.Event()
+    tokens = []
+    for token in generate.stream(engine.model, inputs, params, stop):
+        tokens.append(token)
+        if len(tokens) == 3:
+            stop.set()
+    assert len(tokens) == 3
+    calls = []
+    model = engine.model
+    counting = lambda **kw: calls.append(1) or model(**kw)
+    counting.generation_config = model.generation_config
+    it = generate.stream(counting, inputs, params, threading.Event())
+    next(it), next(it)
+    it.close()
+    assert len(calls) == 2  # the prefill and one decode step; none after the close
