@@ -94,7 +94,7 @@ class AnswerCache:
             {"model": model_identity, "params": dataclasses.asdict(params), "turns": conversation},
             sort_keys=True, ensure_ascii=False,
         )
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()  # JSON can carry lone surrogates
 
     def get(self, key: str) -> Hit | None:
         cache = self._live()
