@@ -364,7 +364,7 @@ def build(engine, cache, settings) -> gr.Blocks:
                     clear = gr.Button(I18N("clear"), elem_id="clear")
                 gr.Examples([[{"text": q, "files": [str(ASSETS / f)]}] for f, q in EXAMPLES], inputs=box,
                             label=I18N("examples"), example_labels=[q for _, q in EXAMPLES])
-            with gr.Tab(I18N("settings"), id="settings"):
+            with gr.Tab(I18N("settings"), id="settings") as settings_tab:
                 gr.Markdown(I18N("fallback"), visible=bool(engine.fallback))
                 with gr.Row():
                     threads = gr.Slider(1, max(os.cpu_count() or 1, engine.threads), value=engine.threads, step=1,
@@ -423,6 +423,7 @@ def build(engine, cache, settings) -> gr.Blocks:
 
         threads.change(set_threads, threads, facts_md, api_visibility="private")
         refresh.click(cache_status, None, cache_md, api_visibility="private")
+        settings_tab.select(cache_status, None, cache_md, api_visibility="private")
         clear_cache_btn.click(clear_cache, None, cache_md, api_visibility="private")
         demo.load(facts, None, facts_md, api_visibility="private").then(
             cache_status, None, cache_md, api_visibility="private")
