@@ -190,6 +190,11 @@ def _render(conversation: list[dict]) -> list[dict]:
     return messages
 
 
+def _asking(possible: bool, **box) -> tuple:
+    """Updates for the input box (with a new value, if given) and the Regenerate button: usable or locked."""
+    return gr.MultimodalTextbox(interactive=possible, **box), gr.Button(interactive=possible)
+
+
 def build(engine, cache, settings) -> gr.Blocks:
     line = Line(settings.queue_size)
     identity = engine.identity  # hashes weight files: once, not per request
@@ -292,7 +297,7 @@ def build(engine, cache, settings) -> gr.Blocks:
     def add_user(message: dict, conversation: list):
         text, files = (message or {}).get("text", ""), (message or {}).get("files", [])
         conversation = conversation + [{"role": "user", "text": text, "images": list(files)}]
-        return conversation, _render(conversation), gr.MultimodalTextbox(value=None, interactive=False)
+        return conversation, _render(conversation), *_asking(False, value=None)
 
     def after_stop(conversation: list, request: gr.Request):
         """Keep what was said so far, marked as stopped; an answer that had not begun is dropped."""
@@ -300,21 +305,24 @@ def build(engine, cache, settings) -> gr.Blocks:
         if last.get("role") == "assistant" and not last.get("done") and not last.get("failed"):
             stopped = dict(last, note=TEXT[_lang(request)]["stopped"])
             conversation = conversation[:-1] + ([stopped] if last["text"] else [])
-        return conversation, _render(conversation), gr.MultimodalTextbox(interactive=True)
+        return conversation, _render(conversation), *_asking(True)
 
     def drop_answer(conversation: list):
+        """Regenerate's first step: the last question without its answer, to be asked again even if it failed."""
         while conversation and conversation[-1]["role"] == "assistant":
             conversation = conversation[:-1]
-        return [dict(e, failed=False) if i == len(conversation) - 1 else e for i, e in enumerate(conversation)]
+        if conversation:
+            conversation = conversation[:-1] + [dict(conversation[-1], failed=False)]
+        return conversation, *_asking(False)
 
     def undo(conversation: list):
         """Remove the last question and its answer, and put the question back in the input box."""
         last = max((i for i, e in enumerate(conversation) if e["role"] == "user"), default=None)
         if last is None:
-            return conversation, _render(conversation), gr.MultimodalTextbox(interactive=True)
+            return conversation, _render(conversation), *_asking(True)
         user, conversation = conversation[last], conversation[:last]
         box = {"text": user["text"], "files": user["images"]}
-        return conversation, _render(conversation), gr.MultimodalTextbox(value=box, interactive=True)
+        return conversation, _render(conversation), *_asking(True, value=box)
 
     def set_threads(n: float, request: gr.Request):
         engine.set_threads(int(n))
@@ -405,19 +413,24 @@ def build(engine, cache, settings) -> gr.Blocks:
         inputs = [conversation, use_cache, *controls]
         streamed = dict(outputs=[conversation, chatbot], concurrency_limit=None, show_progress="minimal",
                         api_visibility="private")
-        reopen = dict(fn=lambda: gr.MultimodalTextbox(interactive=True), outputs=box, api_visibility="private")
-        sent = box.submit(add_user, [box, conversation], [conversation, chatbot, box], queue=False,
+        # While an answer is written the input box and Regenerate are locked: Stop, Undo and Clear end it first.
+        lockable = [box, regenerate]
+        reopen = dict(fn=lambda: _asking(True), outputs=lockable, api_visibility="private")
+        sent = box.submit(add_user, [box, conversation], [conversation, chatbot, *lockable], queue=False,
                           api_visibility="private")
         asked = sent.then(answering(fresh=False), inputs, **streamed)
         asked.then(**reopen)
-        again = regenerate.click(drop_answer, conversation, conversation, queue=False, api_visibility="private")
+        again = regenerate.click(drop_answer, conversation, [conversation, *lockable], queue=False,
+                                 api_visibility="private")
         redone = again.then(answering(fresh=True), inputs, **streamed)
+        redone.then(**reopen)
         running = [asked, redone]
-        stop.click(None, cancels=running).then(after_stop, conversation, [conversation, chatbot, box],
+        stop.click(None, cancels=running).then(after_stop, conversation, [conversation, chatbot, *lockable],
                                                api_visibility="private")
-        undo_btn.click(undo, conversation, [conversation, chatbot, box], cancels=running, api_visibility="private")
-        clear.click(lambda: ([], [], gr.MultimodalTextbox(value=None, interactive=True)), None,
-                    [conversation, chatbot, box], cancels=running, api_name="new_conversation")
+        undo_btn.click(undo, conversation, [conversation, chatbot, *lockable], cancels=running,
+                       api_visibility="private")
+        clear.click(lambda: ([], [], *_asking(True, value=None)), None, [conversation, chatbot, *lockable],
+                    cancels=running, api_name="new_conversation")
         gr.Button(visible=False).click(ask, [api_images, api_question, *inputs], [api_answer, api_status, conversation],
                                        concurrency_limit=None, api_name="ask")
 
