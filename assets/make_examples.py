@@ -16,7 +16,8 @@ def chart() -> Image.Image:
     image = Image.new("RGB", (640, 480), "white")
     draw = ImageDraw.Draw(image)
     draw.text((320, 30), "Fruit sold in May (boxes)", fill="black", font=font(26, bold=True), anchor="mm")
-    bars = [("Apples", 42, "#d62728"), ("Bananas", 30, "#e6b800"), ("Cherries", 18, "#8c1c3c"), ("Pears", 25, "#2ca02c")]
+    bars = [("Apples", 42, "#d62728"), ("Bananas", 30, "#e6b800"), ("Cherries", 18, "#8c1c3c"),
+            ("Pears", 25, "#2ca02c")]
     base, scale = 420, 7
     draw.line((60, base, 600, base), fill="black", width=2)
     for i, (name, value, colour) in enumerate(bars):

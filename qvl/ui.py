@@ -29,6 +29,7 @@ EXAMPLES = [
     ("shapes.png", "How many red circles are there?"),
 ]
 # The GenParams fields the Settings tab offers, in its order; the rest (min tokens) stay at the server's flags.
+INSTRUCTION_SETS = ("AVX2", "AVX-512", "VNNI", "BF16", "AMX")  # qvl.cpu's names, each shown as present or not
 PARAMS = ("max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "greedy", "seed")
 
 TEXT = {
@@ -58,7 +59,8 @@ TEXT = {
         "stopped": "stopped",
         "stats": "first token {ttft:.2f} s · {tps:.1f} tok/s · {image_tokens} image tokens · {total:.1f} s total",
         "cached": "cached", "truncated": "hit the max-new-tokens limit",
-        "cache_line": "{state} · {entries} answers · {size:.1f} MB · {hits} hits · {misses} misses · `{directory}`",
+        "cache_line": "{state} · {entries} answers · {size:.1f} MB · {hits} hits · {misses} misses · "
+                      "`{directory}`",
         "on": "on", "off": "off", "broken": "unusable, answering without it",
         "fact_model": "Model", "fact_precision": "Precision / quantization", "fact_threads": "Threads",
         "fact_threads_value": "{threads} intra-op · {interop} inter-op · {cores} cores available",
@@ -66,8 +68,10 @@ TEXT = {
     },
     "zh-CN": {
         "title": "## 用 Qwen3-VL 聊图片（CPU 运行）",
-        "intro": "添加图片（上传、拖放或粘贴），提问，按回车。回答由本机 CPU 逐字生成；重复的问题会立即从缓存回答。",
-        "fallback": "⚠ **离线后备模式**：无法加载真实模型，当前由一个微型随机模型回答，内容没有意义。原因见“设置”。",
+        "intro": "添加图片（上传、拖放或粘贴），提问，按回车。"
+                 "回答由本机 CPU 逐字生成；重复的问题会立即从缓存回答。",
+        "fallback": "⚠ **离线后备模式**：无法加载真实模型，"
+                    "当前由一个微型随机模型回答，内容没有意义。原因见“设置”。",
         "chat": "聊天", "settings": "设置", "conversation": "对话",
         "placeholder": "关于图片提问……（回车发送，Shift+回车换行）",
         "stop": "停止", "regenerate": "重新生成", "undo": "撤销", "clear": "清空",
@@ -85,9 +89,11 @@ TEXT = {
         "busy": "服务器繁忙（已有 {size} 个请求在排队），请稍后再试。",
         "failed": "回答时出错（{error}），请重试。",
         "stopped": "已停止",
-        "stats": "首个 token {ttft:.2f} 秒 · {tps:.1f} token/秒 · 图片 {image_tokens} token · 共 {total:.1f} 秒",
+        "stats": "首个 token {ttft:.2f} 秒 · {tps:.1f} token/秒 · 图片 {image_tokens} token · "
+                 "共 {total:.1f} 秒",
         "cached": "来自缓存", "truncated": "已达最大生成长度",
-        "cache_line": "{state} · {entries} 条回答 · {size:.1f} MB · 命中 {hits} · 未命中 {misses} · `{directory}`",
+        "cache_line": "{state} · {entries} 条回答 · {size:.1f} MB · 命中 {hits} · 未命中 {misses} · "
+                      "`{directory}`",
         "on": "开启", "off": "关闭", "broken": "不可用，暂不使用缓存",
         "fact_model": "模型", "fact_precision": "精度 / 量化", "fact_threads": "线程",
         "fact_threads_value": "算子内 {threads} · 算子间 {interop} · 可用核心 {cores}",
@@ -120,7 +126,7 @@ class Line:
         return self.tickets.index(ticket)
 
     async def moved(self, timeout: float):
-        """Return when the line moves, or after `timeout`, so a waiting stream still ticks (and a gone client is seen)."""
+        """Return when the line moves, or after `timeout`: a waiting stream still ticks, so a gone client is seen."""
         try:
             await asyncio.wait_for(self._moved.wait(), timeout)
         except TimeoutError:
@@ -330,7 +336,7 @@ def build(engine, cache, settings) -> gr.Blocks:
 
     def facts(request: gr.Request) -> str:
         text = TEXT[_lang(request)]
-        flags = " ".join(f"{name} {'✓' if name in cpu.flags() else '✗'}" for name in ("AVX2", "AVX-512", "VNNI", "BF16", "AMX"))
+        flags = " ".join(f"{name} {'✓' if name in cpu.flags() else '✗'}" for name in INSTRUCTION_SETS)
         versions = " · ".join(f"{p} {_version(p)}" for p in ("torch", "transformers", "gradio"))
         threads = text["fact_threads_value"].format(
             threads=engine.threads, interop=settings.interop_threads, cores=cpu.available_cores())

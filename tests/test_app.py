@@ -48,8 +48,9 @@ def test_a_second_turn_carries_the_first_turns_image_until_a_new_conversation(ap
 
 
 def test_a_repeated_question_is_answered_from_the_cache(app):
-    first = Client(app.url, verbose=False).predict([handle_file(CHART)], "Name them.", max_new_tokens=8, api_name="/ask")
-    again = Client(app.url, verbose=False).predict([handle_file(CHART)], "Name them.", max_new_tokens=8, api_name="/ask")
+    question = dict(question="Name them.", max_new_tokens=8, api_name="/ask")
+    first = Client(app.url, verbose=False).predict([handle_file(CHART)], **question)
+    again = Client(app.url, verbose=False).predict([handle_file(CHART)], **question)
     assert "cached" not in first[1]
     assert again[0] == first[0] and "cached" in again[1]
 
