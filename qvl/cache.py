@@ -125,7 +125,7 @@ class AnswerCache:
             return False
         record = {"text": text, "stats": dataclasses.asdict(stats), "created": time.time()}
         try:
-            return cache.set(key, json.dumps(record, ensure_ascii=False))
+            return cache.set(key, json.dumps(record))  # ASCII escapes: even a lone surrogate stores and reads back
         except diskcache.Timeout:
             return False
         except Exception as e:

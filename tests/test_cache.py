@@ -115,6 +115,13 @@ def test_only_complete_answers_are_stored(tmp_path):
     assert cache.put("k", "a truncated answer is complete for its max_new_tokens", dataclasses.replace(DONE, truncated=True))
 
 
+def test_any_text_reads_back_unchanged(tmp_path):
+    cache = AnswerCache(tmp_path / "c")
+    for key, text in enumerate(("plain", "naïve 中文 🙂", "a lone surrogate \ud800 from a JSON escape")):
+        assert cache.put(str(key), text, DONE)
+        assert cache.get(str(key)).text == text
+
+
 def test_entries_survive_a_restart(tmp_path):
     assert AnswerCache(tmp_path / "c").put("k", "answer", DONE)
     hit = AnswerCache(tmp_path / "c").get("k")
