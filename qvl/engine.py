@@ -124,10 +124,11 @@ class Engine:
         self.processor = ImageOnlyProcessor.from_pretrained(self.folder, backend="pil")
         self.model, self.precision = quant.load_model(self.folder, self.settings.quant)
         self.model_id = source
-        # What makes this model's answers what they are; part of every answer-cache key.
-        self.identity = f"{source}@{_weights_version(self.model, self.folder)}|{self.precision}"
         limit = self.model.config.text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context, limit)
+        # What makes this engine's answers what they are; part of every answer-cache key. The context limit is in
+        # it because near the limit it shortens the answer.
+        self.identity = f"{source}@{_weights_version(self.model, self.folder)}|{self.precision}|ctx{self.max_context}"
 
     def set_threads(self, n: int):
         """Intra-op threads, applied from the next request on."""

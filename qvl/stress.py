@@ -71,14 +71,18 @@ def port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def launch(model: str, workdir: Path, *flags: str, env: dict | None = None, timeout: float = 240) -> Server:
-    """Start `python app.py` on model (fp32, its own cache dir, a free port) and return once it serves pages."""
+def launch(model: str, workdir: Path, *flags: str, env: dict | None = None, clean_env: bool = False,
+           timeout: float = 240) -> Server:
+    """Start `python app.py` on model (fp32, its own cache dir, a free port) and return once it serves pages.
+
+    env is added to this process's environment, or replaces it with clean_env.
+    """
     port, log, cache_dir = free_port(), workdir / "server.log", workdir / "answers"
     command = [sys.executable, str(ROOT / "app.py"), "--model", model, "--quant", "fp32", "--port", str(port),
                "--cache-dir", str(cache_dir), *flags]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+                                env=(env or {}) if clean_env else {**os.environ, **(env or {})})
     server = Server(proc, f"http://127.0.0.1:{port}/", port, log, cache_dir)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -243,8 +243,8 @@ def test_the_default_bind_is_localhost(app, monkeypatch):
 
 def test_sigterm_shuts_down_cleanly_and_frees_the_port(app):
     port, logged = int(app.url.rsplit(":", 1)[1].strip("/")), len(app.log.read_text())
-    app.process.send_signal(signal.SIGTERM)
-    assert app.process.wait(timeout=60) == 0
+    app.proc.send_signal(signal.SIGTERM)
+    assert app.proc.wait(timeout=60) == 0
     assert stress.port_free(port)
     assert "Traceback" not in app.log.read_text()[logged:]
 
