@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -72,10 +73,21 @@ def _file_id(path: str):
     return stat.st_dev, stat.st_ino
 
 
+def auto_size(directory: str) -> int:
+    """5% of the free disk where the cache lives, at most 2 GiB: a full laptop disk gets a small cache."""
+    existing = directory
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        return min(2 << 30, max(16 << 20, shutil.disk_usage(existing).free // 20))
+    except OSError:
+        return 2 << 30
+
+
 class AnswerCache:
-    def __init__(self, directory: str, size_limit: int | str = "2GB", enabled: bool = True):
+    def __init__(self, directory: str, size_limit: int | str = "auto", enabled: bool = True):
         self.directory = os.path.abspath(os.path.expanduser(directory))
-        self.size_limit = parse_size(size_limit)
+        self.size_limit = auto_size(self.directory) if size_limit == "auto" else parse_size(size_limit)
         self.enabled = enabled  # switched live from the Settings tab
         self.hits = self.misses = 0  # since this process started
         self.error: str | None = None

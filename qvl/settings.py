@@ -40,7 +40,7 @@ class Settings:
     auth: str | None = None  # "user:password"; prefer QVL_AUTH so it stays out of shell history
     cache: bool = True
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "answers"))
-    cache_size: str = "2GB"
+    cache_size: str = "auto"  # 5% of the free disk, at most 2 GiB
     queue_size: int = 16
     max_file_size: str = "20mb"
 
@@ -67,7 +67,7 @@ _HELP = {
     "auth": "user:password required to use the app",
     "cache": "answer cache on disk (--no-cache turns it off)",
     "cache_dir": "answer cache folder",
-    "cache_size": "answer cache size limit, e.g. 500MB, 2GB",
+    "cache_size": "answer cache size limit, e.g. 500MB, 2GB; auto is 5% of the free disk, at most 2GB",
     "queue_size": "requests that may wait in the queue before new ones are told to retry",
     "max_file_size": "largest upload, e.g. 20mb",
 }

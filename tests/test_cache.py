@@ -267,3 +267,11 @@ def test_sizes_are_parsed(text, size):
 def test_a_bad_size_is_a_clear_error(text):
     with pytest.raises(ValueError, match="500MB"):
         parse_size(text)
+
+
+def test_the_default_size_is_a_fraction_of_the_free_disk_capped_at_2gb(tmp_path):
+    from qvl.cache import auto_size
+
+    free = shutil.disk_usage(tmp_path).free
+    assert auto_size(str(tmp_path / "not" / "yet" / "made")) == min(2 << 30, max(16 << 20, free // 20))
+    assert AnswerCache(str(tmp_path / "c")).size_limit == auto_size(str(tmp_path))
