@@ -1,12 +1,13 @@
 """Loading the model in the precision and quantization that is fastest on this CPU.
 
-Measured on a 2-core AVX2 EPYC (no AVX-512), one 2048x6144 linear, weights out of cache (`python -m qvl.bench` has the
-whole-model figures): decode (1 row) fp32 4.5 ms, bf16 2.5, fbgemm dynamic int8 3.9, int8 weight-only 1.4, int4
-weight-only (group 128) 1.1; prefill (256 rows) fbgemm int8 200 GFLOP/s, fp32 80, int8 weight-only 52, int4 32,
-bf16 10 (no bf16 instructions: bf16 matmuls are emulated). So no single kernel wins both phases: `int4` keeps an
-int4 copy of each text linear for decode and an fbgemm int8 copy for prefill, and the vision tower, which only
-ever prefills, runs fbgemm int8. Every mode loads the bf16 checkpoint and converts one linear at a time, so the
-process never holds two full copies of the weights.
+Measured on a quiet 2-core AVX2 EPYC (no AVX-512), one 2048x6144 linear, weights out of cache (`python -m qvl.bench`
+has the whole-model figures): decode (1 row) fp32 4.8 ms, bf16 2.3, fbgemm dynamic int8 0.80, int8 weight-only 1.5,
+int4 weight-only (group 128) 1.1; prefill (256 rows) fbgemm int8 216 GFLOP/s, fp32 78, int8/int4 weight-only ~46,
+bf16 19 (no bf16 instructions: bf16 matmuls are emulated). So on AVX2 fbgemm int8 wins both phases (`int8`). On
+AVX-512 BF16 CPUs (Zen 4/5, Sapphire Rapids) the int4 kernel decodes ~1.7x faster than fbgemm int8 (0.19 vs 0.32 ms
+for that linear, measured on a Zen 5): `int4` keeps an int4 copy of each text linear for decode and an fbgemm int8
+copy for prefill. Every mode loads the bf16 checkpoint and converts one linear at a time, so the process never holds
+two full copies of the weights.
 """
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,10 @@ def resolve(mode: str, flags: frozenset[str] | None = None) -> str:
     if mode != "auto":
         return mode
     flags = cpu.flags() if flags is None else flags
-    # fbgemm and the int4 kernel need AVX2; without it they fall back to scalar loops slower than fp32.
-    return "int4" if "AVX2" in flags else "fp32"
+    if flags & {"BF16", "AMX"}:  # native bf16 dot products: the int4 decode kernel beats fbgemm int8
+        return "int4"
+    # fbgemm needs AVX2; without it, it and the int4 kernel fall back to scalar loops slower than fp32.
+    return "int8" if "AVX2" in flags else "fp32"
 
 
 class Bf16Embedding(nn.Module):
@@ -102,15 +105,15 @@ def load_model(source: str, mode: str):
         return AutoModelForImageTextToText.from_pretrained(source, dtype=dtype).eval(), mode
     model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.bfloat16).eval()
     text = model.model.language_model
+    # The head is tied to the token table: the head is quantized for its per-step matmul, while the table stays a
+    # bf16 gather (fp32 would add 1.2 GB for a lookup of one row per token).
+    text.embed_tokens = Bf16Embedding(text.embed_tokens.weight)
     if mode == "int8":
         _replace_linears(model, _dynamic_int8)
         _float_rest(model)
-        return model, "int8: fp32 + fbgemm dynamic int8 linears"
+        return model, "int8: fbgemm dynamic int8 linears and head, embedding bf16"
     _replace_linears(model.model.visual, _dynamic_int8)
     _replace_linears(text, lambda linear: Int4Linear(linear, prefill=True))
-    # The head is tied to the token table: it becomes int4 for the per-step matmul (prefill only needs the last
-    # row's logits), while the table stays a bf16 gather.
-    model.lm_head = Int4Linear(model.lm_head, prefill=False)
-    text.embed_tokens = Bf16Embedding(text.embed_tokens.weight)
+    model.lm_head = Int4Linear(model.lm_head, prefill=False)  # prefill only needs the last row's logits
     _float_rest(model)
     return model, f"int4: vision fbgemm int8, text int4 g{GROUP} decode + int8 prefill, head int4, embedding bf16"

@@ -9,7 +9,9 @@ from qvl.settings import GenParams
 
 
 @pytest.mark.parametrize("flags, mode", [
-    (frozenset({"AVX2"}), "int4"),
+    (frozenset({"AVX2"}), "int8"),
+    (frozenset({"AVX2", "AVX-512", "VNNI"}), "int8"),
+    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16"}), "int4"),
     (frozenset({"AVX2", "AVX-512", "VNNI", "BF16", "AMX"}), "int4"),
     (frozenset(), "fp32"),
 ])
