@@ -54,4 +54,4 @@ def stream(model, inputs: dict, params: GenParams, stop: threading.Event) -> Ite
         yield token
         if token in eos or stop.is_set() or produced + 1 == params.max_new_tokens:
             return
-        out = _forward(model, input_ids=torch.tensor([[token]]), cache=out.past_key_values)
+        out = _forward(model, input_ids=torch.tensor([[token]]), cache=out.cache)
