@@ -6,15 +6,24 @@ int4 weight-only (group 128) 1.1; prefill (256 rows) fbgemm int8 216 GFLOP/s, fp
 bf16 19 (no bf16 instructions: bf16 matmuls are emulated). So on AVX2 fbgemm int8 wins both phases (`int8`). On
 AVX-512 BF16 CPUs (Zen 4/5, Sapphire Rapids) the int4 kernel decodes ~1.7x faster than fbgemm int8 (0.19 vs 0.32 ms
 for that linear, measured on a Zen 5): `int4` keeps an int4 copy of each text linear for decode and an fbgemm int8
-copy for prefill. Every mode loads the bf16 checkpoint and converts one linear at a time, so the process never holds
-two full copies of the weights.
+copy for prefill. The quantized modes stream the checkpoint tensor by tensor into an uninitialised skeleton and
+convert each linear as it arrives, so loading never holds a full bf16 copy beside the quantized one (2B int8: 3.3 GB
+peak at load instead of 8.9 GB).
 """
+import ctypes
+import json
+import logging
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModelForImageTextToText
+from transformers.initialization import no_init_weights
 
 from qvl import cpu
+
+log = logging.getLogger("qvl")
 
 MODES = ("auto", "fp32", "bf16", "int8", "int4")
 GROUP = 128  # int4 scale/zero group: 32 gains little accuracy on these weights and decodes 40% slower
@@ -74,19 +83,104 @@ class Int4Linear(nn.Module):
 
 
 def _dynamic_int8(linear: nn.Linear) -> nn.Module:
-    """fbgemm dynamic int8 (per-channel weights, activations quantized per call): the write-up's recipe."""
-    fp32 = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
-    fp32.load_state_dict({k: v.float() for k, v in linear.state_dict().items()})
-    fp32.qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-    return torch.ao.nn.quantized.dynamic.Linear.from_float(fp32)
+    """fbgemm dynamic int8 (symmetric per-channel weights, activations quantized per call): the write-up's recipe.
+
+    Quantized straight from bf16 in slices of rows: from_float() would first make an fp32 copy, 1.2 GB for the head.
+    """
+    w = linear.weight.detach()
+    scale = torch.empty(w.shape[0], dtype=torch.float64)
+    q = torch.empty(w.shape, dtype=torch.int8)
+    for i in range(0, w.shape[0], 4096):
+        rows = w[i:i + 4096].float()
+        scale[i:i + 4096] = rows.abs().amax(1).clamp(min=1e-8) / 127
+        q[i:i + 4096] = (rows / scale[i:i + 4096, None].float()).round().clamp(-127, 127)
+    qweight = torch._make_per_channel_quantized_tensor(q, scale, torch.zeros(w.shape[0], dtype=torch.long), 0)
+    del q  # a copy: freed before fbgemm packs a third one
+    out = torch.ao.nn.quantized.dynamic.Linear(linear.in_features, linear.out_features, bias_=linear.bias is not None)
+    out.set_weight_bias(qweight, None if linear.bias is None else linear.bias.detach().float())
+    return out
 
 
-def _replace_linears(root: nn.Module, make):
-    """Swap every nn.Linear under root for make(linear), one at a time, so its bf16 weight is freed before the next."""
+def _replace_linears(root: nn.Module, convert):
+    """Swap every nn.Linear under root for convert(name, linear), one at a time, freeing each bf16 weight in turn."""
     for name, module in list(root.named_modules()):
         if isinstance(module, nn.Linear):
-            parent_name, _, child = name.rpartition(".")
-            setattr(root.get_submodule(parent_name), child, make(module))
+            _swap(root, name, convert(name, module))
+
+
+def _swap(root: nn.Module, name: str, new: nn.Module):
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent), child, new)
+
+
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc (macOS, musl): nothing to trim
+    _LIBC = None
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32}
+
+
+def _checkpoint_tensors(folder: str):
+    """Every (name, tensor) of the checkpoint's safetensors files, read with plain file reads, one at a time.
+
+    from_pretrained memory-maps the files, and every page it touched stays resident, counted in the process's
+    memory, until loading ends: 4.3 GB of bf16 on top of the quantized copies being made.
+    """
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+            header.pop("__metadata__", None)
+            for name, meta in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+                start, end = meta["data_offsets"]
+                f.seek(8 + size + start)
+                dtype = _DTYPES[meta["dtype"]]
+                data = bytearray(f.read(end - start))
+                yield name, torch.frombuffer(data, dtype=dtype).reshape(meta["shape"]) if data else torch.empty(
+                    meta["shape"], dtype=dtype)
+
+
+def _trim():
+    """Hand freed heap memory back to the OS. glibc keeps the freed bf16 layers (tens of MB each, under its grown
+    mmap threshold) in its heap, which added about 1 GB to the resident size of a 2B load."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_converting(folder: str, convert) -> nn.Module:
+    """The model filled tensor by tensor, each linear converted as soon as its weights are in.
+
+    The skeleton's weights are never initialised (untouched memory is not resident), so the process holds the
+    converted model plus one layer, never a full bf16 copy. Raises KeyError for a checkpoint laid out otherwise.
+    """
+    config = AutoConfig.from_pretrained(folder)
+    with no_init_weights():
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).eval()
+    expected, loaded = set(model.state_dict()), set()
+    embedding = "model.language_model.embed_tokens.weight"
+    for name, tensor in _checkpoint_tensors(folder):
+        if name not in expected:
+            raise KeyError(f"unexpected checkpoint tensor {name}")
+        if name in loaded:  # a tied head saved anyway: it is the embedding, already in
+            continue
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if attr in module._parameters:
+            module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            module._buffers[attr] = tensor
+        loaded.add(name)
+        if name == embedding and config.tie_word_embeddings:
+            # The head is the token table: quantize it now, while little else is resident (it needs ~1 GB of room).
+            model.lm_head.weight = module.weight
+            _swap(model, "lm_head", convert("lm_head", model.lm_head))
+            loaded.add("lm_head.weight")
+        elif isinstance(module, nn.Linear) and {f"{module_name}.{p}" for p, v in module._parameters.items() if v is not None} <= loaded:
+            _swap(model, module_name, convert(module_name, module))
+        _trim()
+    if missing := expected - loaded:
+        raise KeyError(f"checkpoint lacks {sorted(missing)[:3]}")
+    return model
 
 
 def _float_rest(model: nn.Module):
@@ -97,23 +191,34 @@ def _float_rest(model: nn.Module):
                 param.data = param.data.float()
 
 
+def _int8(name: str, linear: nn.Linear) -> nn.Module:
+    return _dynamic_int8(linear)
+
+
+def _int4(name: str, linear: nn.Linear) -> nn.Module:
+    if name.startswith("model.visual."):  # the vision tower only ever prefills: fbgemm int8 is fastest there
+        return _dynamic_int8(linear)
+    return Int4Linear(linear, prefill=name != "lm_head")  # the head's prefill needs only the last row's logits
+
+
 def load_model(source: str, mode: str):
-    """Load source (hub id or folder) in `mode`; return (model, description of precision/quantization)."""
+    """Load source (a checkpoint folder) in `mode`; return (model, description of precision/quantization)."""
     mode = resolve(mode)
     if mode in ("fp32", "bf16"):
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
         return AutoModelForImageTextToText.from_pretrained(source, dtype=dtype).eval(), mode
-    model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.bfloat16).eval()
+    convert = _int8 if mode == "int8" else _int4
+    try:
+        model = _load_converting(source, convert)
+    except KeyError as e:  # a layout this loader does not know: convert after a whole bf16 load (more memory)
+        log.warning("%s: loading the checkpoint whole before quantizing it", e)
+        model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.bfloat16).eval()
+        _replace_linears(model, convert)
     text = model.model.language_model
-    # The head is tied to the token table: the head is quantized for its per-step matmul, while the table stays a
+    # The head is tied to the token table: the head was quantized for its per-step matmul, while the table stays a
     # bf16 gather (fp32 would add 1.2 GB for a lookup of one row per token).
     text.embed_tokens = Bf16Embedding(text.embed_tokens.weight)
-    if mode == "int8":
-        _replace_linears(model, _dynamic_int8)
-        _float_rest(model)
-        return model, "int8: fbgemm dynamic int8 linears and head, embedding bf16"
-    _replace_linears(model.model.visual, _dynamic_int8)
-    _replace_linears(text, lambda linear: Int4Linear(linear, prefill=True))
-    model.lm_head = Int4Linear(model.lm_head, prefill=False)  # prefill only needs the last row's logits
     _float_rest(model)
+    if mode == "int8":
+        return model, "int8: fbgemm dynamic int8 linears and head, embedding bf16"
     return model, f"int4: vision fbgemm int8, text int4 g{GROUP} decode + int8 prefill, head int4, embedding bf16"

@@ -91,3 +91,34 @@ def test_stop_event_and_closing_end_generation_within_one_step(tiny_dir, engine)
     next(it), next(it)
     it.close()
     assert len(calls) == 2  # the prefill and one decode step; none after the close
+
+
+def _logits(model):
+    quant._float_rest(model)
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([[1, 2, 3, 4, 5]])).logits
+
+
+def test_the_streamed_load_builds_the_same_model_as_converting_a_whole_load(tiny_dir):
+    from transformers import AutoModelForImageTextToText
+
+    streamed = quant._load_converting(str(tiny_dir), quant._int8)
+    whole = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    quant._replace_linears(whole, quant._int8)
+    assert torch.equal(_logits(streamed), _logits(whole))
+    assert not any(isinstance(m, torch.nn.Linear) for m in streamed.modules())  # the tied head too
+
+
+def test_an_unknown_checkpoint_layout_is_loaded_whole_instead(tiny_dir, tmp_path, caplog):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_dir, tmp_path / "odd")
+    weights = load_file(tiny_dir / "model.safetensors")
+    save_file({**weights, "model.extra_projection.weight": torch.zeros(2, 2)}, tmp_path / "odd" / "model.safetensors")
+    with pytest.raises(KeyError, match="extra_projection"):
+        quant._load_converting(str(tmp_path / "odd"), quant._int8)
+    model, precision = quant.load_model(str(tmp_path / "odd"), "int8")
+    assert "loading the checkpoint whole" in caplog.text and precision.startswith("int8")
+    assert _logits(model).shape[-1] == model.config.text_config.vocab_size
