@@ -32,7 +32,6 @@ SAMPLED = dict(use_cache=True, max_new_tokens=8, temperature=1.0, top_p=1.0, top
 @pytest.fixture(scope="module")
 def app(launch_app):
     with launch_app("--auth", f"{USER}:{PASSWORD}", "--queue-size", str(QUEUE_SIZE), "--max-file-size", "1mb") as running:
-        running.cache_dir = running.log.parent / "cache"
         yield running
 
 
