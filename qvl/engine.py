@@ -174,6 +174,7 @@ class Engine:
                 yield text[len(sent):]
             end = time.perf_counter()
             stopped = self._stop.is_set()
+            quant.trim_heap()
         first = first or end
         yield Stats(
             prompt_tokens=prompt_tokens, image_tokens=image_tokens, new_tokens=len(ids),

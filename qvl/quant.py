@@ -140,9 +140,10 @@ def _checkpoint_tensors(folder: str):
                     meta["shape"], dtype=dtype)
 
 
-def _trim():
-    """Hand freed heap memory back to the OS. glibc keeps the freed bf16 layers (tens of MB each, under its grown
-    mmap threshold) in its heap, which added about 1 GB to the resident size of a 2B load."""
+def trim_heap():
+    """Hand freed heap memory back to the OS. glibc keeps freed blocks under its (grown) mmap threshold in its heap:
+    the freed bf16 layers added about 1 GB to the resident size of a 2B load, and each request's tensors (pixels,
+    KV cache) would otherwise ratchet a long-running server's memory up."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
@@ -177,7 +178,7 @@ def _load_converting(folder: str, convert) -> nn.Module:
             loaded.add("lm_head.weight")
         elif isinstance(module, nn.Linear) and {f"{module_name}.{p}" for p, v in module._parameters.items() if v is not None} <= loaded:
             _swap(model, module_name, convert(module_name, module))
-        _trim()
+        trim_heap()
     if missing := expected - loaded:
         raise KeyError(f"checkpoint lacks {sorted(missing)[:3]}")
     return model
