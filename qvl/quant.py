@@ -25,7 +25,6 @@ from qvl import cpu
 
 log = logging.getLogger("qvl")
 
-MODES = ("auto", "fp32", "bf16", "int8", "int4")
 GROUP = 128  # int4 scale/zero group: 32 gains little accuracy on these weights and decodes 40% slower
 DECODE_ROWS = 8  # up to this many rows the int4 kernel is bandwidth-bound and wins; above, int8 compute wins
 
