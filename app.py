@@ -30,7 +30,7 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: demo.close())
     demo.queue(default_concurrency_limit=1, max_size=config.queue_size).launch(
         server_name=config.host, server_port=config.port, share=config.share, auth=auth,
-        max_file_size=config.max_file_size, i18n=ui.I18N,
+        max_file_size=config.max_file_size, state_session_capacity=config.max_sessions, i18n=ui.I18N,
     )
 
 

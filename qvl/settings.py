@@ -43,6 +43,9 @@ class Settings:
     cache_size: str = "auto"  # 5% of the free disk, at most 2 GiB
     queue_size: int = 16
     max_file_size: str = "20mb"
+    # Gradio holds ~0.1 MB per browser tab or API client, never freed on its own: this bounds it (~100 MB).
+    max_sessions: int = 1000
+    upload_hours: float = 24.0  # uploads live in Gradio's temp folder, which otherwise only grows
 
 
 _HELP = {
@@ -70,6 +73,9 @@ _HELP = {
     "cache_size": "answer cache size limit, e.g. 500MB, 2GB; auto is 5% of the free disk, at most 2GB",
     "queue_size": "requests that may wait in the queue before new ones are told to retry",
     "max_file_size": "largest upload, e.g. 20mb",
+    "max_sessions": "conversations kept in memory (browser tabs, API clients); past this the least recently "
+                    "active is forgotten",
+    "upload_hours": "uploaded images are deleted this many hours after upload (0 keeps them until restart)",
 }
 
 
@@ -118,4 +124,6 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
     settings = Settings(**{k: v for k, v in args.items() if k not in gen_names}, gen=gen)
     if settings.quant not in ("auto", "fp32", "bf16", "int8", "int4"):
         parser.error(f"--quant must be one of auto, fp32, bf16, int8, int4 (got {settings.quant!r})")
+    if settings.max_sessions < 1 or settings.upload_hours < 0:
+        parser.error("--max-sessions must be at least 1 and --upload-hours at least 0")
     return settings

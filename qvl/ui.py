@@ -358,7 +358,8 @@ def build(engine, cache, settings) -> gr.Blocks:
         return cache_status(request)
 
     gen = settings.gen
-    with gr.Blocks(title="qvl: chat about images on a CPU") as demo:
+    keep_s = settings.upload_hours * 3600  # Gradio sweeps every min(hour, keep_s) and never when keep_s is 0
+    with gr.Blocks(title="qvl: chat about images on a CPU", delete_cache=(min(3600.0, keep_s), keep_s)) as demo:
         conversation = gr.State([])
         gr.Markdown(I18N("title"))
         with gr.Tabs():

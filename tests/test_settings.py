@@ -36,7 +36,8 @@ def test_qwen_instruct_sampling_defaults():
 @pytest.mark.parametrize(
     "argv, env, named",
     [(["--quant", "fp16"], {}, "--quant"), ([], {"QVL_THREADS": "many"}, "QVL_THREADS"),
-     ([], {"QVL_GREEDY": "maybe"}, "QVL_GREEDY"), (["--port", "http"], {}, "--port")],
+     ([], {"QVL_GREEDY": "maybe"}, "QVL_GREEDY"), (["--port", "http"], {}, "--port"),
+     (["--max-sessions", "0"], {}, "--max-sessions"), ([], {"QVL_UPLOAD_HOURS": "-1"}, "--upload-hours")],
 )
 def test_bad_values_are_refused_with_the_name_of_the_setting(argv, env, named, capsys):
     with pytest.raises(SystemExit):
