@@ -2,13 +2,14 @@
 import logging
 import signal
 
-from qvl import cache, cpu, settings, ui
+from qvl import cache, cpu, heap, settings, ui
 from qvl.engine import Engine
 
 log = logging.getLogger("qvl")
 
 
 def main():
+    heap.limit_arenas()  # before the model, the server and their threads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes, one line each
     config = settings.parse()

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import Qwen3VLProcessor
 
-from qvl import generate, images, quant, tiny
+from qvl import generate, heap, images, quant, tiny
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
 
@@ -174,7 +174,7 @@ class Engine:
                 yield text[len(sent):]
             end = time.perf_counter()
             stopped = self._stop.is_set()
-            quant.trim_heap()
+            heap.trim()
         first = first or end
         yield Stats(
             prompt_tokens=prompt_tokens, image_tokens=image_tokens, new_tokens=len(ids),

@@ -10,7 +10,6 @@ copy for prefill. The quantized modes stream the checkpoint tensor by tensor int
 convert each linear as it arrives, so loading never holds a full bf16 copy beside the quantized one (2B int8: 3.3 GB
 peak at load instead of 8.9 GB).
 """
-import ctypes
 import json
 import logging
 from pathlib import Path
@@ -21,7 +20,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.initialization import no_init_weights
 
-from qvl import cpu
+from qvl import cpu, heap
 
 log = logging.getLogger("qvl")
 
@@ -112,10 +111,6 @@ def _swap(root: nn.Module, name: str, new: nn.Module):
     setattr(root.get_submodule(parent), child, new)
 
 
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-except OSError:  # not glibc (macOS, musl): nothing to trim
-    _LIBC = None
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32}
 
 
@@ -138,13 +133,6 @@ def _checkpoint_tensors(folder: str):
                 yield name, torch.frombuffer(data, dtype=dtype).reshape(meta["shape"]) if data else torch.empty(
                     meta["shape"], dtype=dtype)
 
-
-def trim_heap():
-    """Hand freed heap memory back to the OS. glibc keeps freed blocks under its (grown) mmap threshold in its heap:
-    the freed bf16 layers added about 1 GB to the resident size of a 2B load, and each request's tensors (pixels,
-    KV cache) would otherwise ratchet a long-running server's memory up."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
 
 
 def _load_converting(folder: str, convert) -> nn.Module:
@@ -177,7 +165,7 @@ def _load_converting(folder: str, convert) -> nn.Module:
             loaded.add("lm_head.weight")
         elif isinstance(module, nn.Linear) and {f"{module_name}.{p}" for p, v in module._parameters.items() if v is not None} <= loaded:
             _swap(model, module_name, convert(module_name, module))
-        trim_heap()
+        heap.trim()
     if missing := expected - loaded:
         raise KeyError(f"checkpoint lacks {sorted(missing)[:3]}")
     return model
