@@ -57,6 +57,8 @@ TEXT = {
         "busy": "The server is busy ({size} requests are already waiting). Please try again shortly.",
         "failed": "Something went wrong while answering ({error}). Please try again.",
         "stopped": "stopped",
+        "forgotten": "⚠ The server no longer remembers the earlier messages (many visitors came after your last "
+                     "one), so this starts a new conversation.",
         "stats": "first token {ttft:.2f} s · {tps:.1f} tok/s · {image_tokens} image tokens · {total:.1f} s total",
         "cached": "cached", "truncated": "hit the max-new-tokens limit",
         "cache_line": "{state} · {entries} answers · {size:.1f} MB · {hits} hits · {misses} misses · "
@@ -89,6 +91,7 @@ TEXT = {
         "busy": "服务器繁忙（已有 {size} 个请求在排队），请稍后再试。",
         "failed": "回答时出错（{error}），请重试。",
         "stopped": "已停止",
+        "forgotten": "⚠ 服务器已不再记得之前的消息（在您上次提问后来了很多访客），以下是一个新的对话。",
         "stats": "首个 token {ttft:.2f} 秒 · {tps:.1f} token/秒 · 图片 {image_tokens} token · "
                  "共 {total:.1f} 秒",
         "cached": "来自缓存", "truncated": "已达最大生成长度",
@@ -300,8 +303,11 @@ def build(engine, cache, settings) -> gr.Blocks:
         except Exception as e:
             raise gr.Error(_problem(lang, e)) from None
 
-    def add_user(message: dict, conversation: list):
+    def add_user(message: dict, conversation: list, shown: list, request: gr.Request):
         text, files = (message or {}).get("text", ""), (message or {}).get("files", [])
+        if shown and not conversation:  # past --max-sessions Gradio dropped this session's state: say so
+            conversation = [{"role": "assistant", "text": "", "images": [], "failed": True,
+                             "note": TEXT[_lang(request)]["forgotten"]}]
         conversation = conversation + [{"role": "user", "text": text, "images": list(files)}]
         return conversation, _render(conversation), *_asking(False, value=None)
 
@@ -423,7 +429,7 @@ def build(engine, cache, settings) -> gr.Blocks:
         # While an answer is written the input box and Regenerate are locked: Stop, Undo and Clear end it first.
         lockable = [box, regenerate]
         reopen = dict(fn=lambda: _asking(True), outputs=lockable, api_visibility="private")
-        sent = box.submit(add_user, [box, conversation], [conversation, chatbot, *lockable], queue=False,
+        sent = box.submit(add_user, [box, conversation, chatbot], [conversation, chatbot, *lockable], queue=False,
                           api_visibility="private")
         asked = sent.then(answering(fresh=False), inputs, **streamed)
         asked.then(**reopen)

@@ -95,3 +95,21 @@ def test_the_page_speaks_the_browsers_language(browser, app):
     assert page.locator("#stop").inner_text().strip() == "停止"
     page.get_by_role("tab", name="设置").click()
     page.wait_for_selector("#facts >> text=算子内")
+
+
+def ask_and_wait(page, question: str, answers: int):
+    page.locator("#ask textarea").fill(question)
+    page.locator("#ask textarea").press("Enter")
+    page.wait_for_function("n => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
+                           ".filter(b => b.innerText.includes('total')).length == n", arg=answers)
+
+
+def test_a_conversation_the_server_forgot_says_so_and_starts_over(browser, launch_app):
+    with launch_app("--max-sessions", "1", "--max-new-tokens", "4") as app:
+        page = open_page(browser, app)
+        ask_and_wait(page, "First question?", 1)
+        ask_and_wait(open_page(browser, app), "Another visitor's question?", 1)  # the one session kept is theirs
+        ask_and_wait(page, "Second question?", 1)
+        assert "no longer remembers the earlier messages" in page.locator("#chatbot").inner_text()
+        users = page.locator('#chatbot [data-testid="user"]').all_inner_texts()
+        assert [u.strip() for u in users] == ["Second question?"]
