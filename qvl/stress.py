@@ -5,7 +5,9 @@
 
 load: N clients ask at once (two turns each); the first queue_size + 1 are answered in arrival order, the rest get
 the busy message; each second turn must report its own conversation's image tokens (so no answer went to the wrong
-conversation). soak: a few hundred requests, 4 at a time, with the server's RSS after warm-up and at the end.
+conversation). soak: a few hundred requests, 4 at a time, a new client (so a new Gradio session) every 5, with the
+server's RSS after warm-up and at the end: flat once the app holds --max-sessions sessions (a launched app gets a
+small bound, so the soak passes it).
 faults: bad uploads and questions, a client that disconnects mid-answer, the cache directory deleted, replaced by a
 file and corrupted while serving (when this script launched the app), then SIGTERM. Lost requests (no answer, no
 busy message, no input error: a hang, a crash, a dropped connection) must be 0; the exit code says whether they were.
@@ -346,6 +348,9 @@ def main(argv=None) -> int:
     parser.add_argument("--soak", type=int, default=300)
     parser.add_argument("--queue-size", type=int, default=settings.Settings.queue_size,
                         help="the launched app's queue bound")
+    parser.add_argument("--max-sessions", type=int, default=32,
+                        help="the launched app's session bound: above --clients, so the load's conversations are all "
+                             "kept, and below the soak's new sessions (soak / 5), so the soak reaches it")
     args = parser.parse_args(argv)
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
     workdir = Path(tempfile.mkdtemp(prefix="qvl-stress-"))
@@ -356,9 +361,11 @@ def main(argv=None) -> int:
         else:
             model = tiny.build(workdir / "tiny")
             env = {"QVL_AUTH": args.auth} if args.auth else {}
-            server = launch(str(model), workdir, "--queue-size", str(args.queue_size), env=env)
+            server = launch(str(model), workdir, "--queue-size", str(args.queue_size),
+                            "--max-sessions", str(args.max_sessions), env=env)
             url, pid, cache_dir = server.url, server.proc.pid, server.cache_dir
-            print(f"launched app.py (pid {pid}) at {url} on the tiny model, queue size {args.queue_size}", flush=True)
+            print(f"launched app.py (pid {pid}) at {url} on the tiny model, queue size {args.queue_size}, "
+                  f"{args.max_sessions} sessions", flush=True)
         tallies = []
         for run in (lambda: load(url, args.clients, auth, workdir),
                     lambda: soak(url, args.soak, auth, pid, workdir),
