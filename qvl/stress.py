@@ -205,8 +205,10 @@ def load(url: str, n: int, auth, workdir: Path) -> Tally:
     return tally
 
 
-def soak(url: str, count: int, auth, pid: int | None, workdir: Path, workers: int = 4, warmup: int = 20) -> Tally:
-    """count requests, `workers` at a time; a new client (session) every 5 requests, an exact repeat every 10th."""
+def soak(url: str, count: int, auth, pid: int | None, workdir: Path, every: int = 5, workers: int = 4,
+         warmup: int = 20) -> Tally:
+    """count requests, `workers` at a time; a new client (session) every `every` requests; every 10th repeats the
+    worker's first question and picture."""
     tally, numbers, lock = Tally("soak"), iter(range(count)), threading.Lock()
     rss = {}
 
@@ -219,7 +221,7 @@ def soak(url: str, count: int, auth, pid: int | None, workdir: Path, workers: in
                     rss["start"] = rss_mb(pid)
             if k is None:
                 break
-            if client is None or k % 5 == 0:
+            if client is None or k % every == 0:
                 if client:
                     client.close()
                 client = Client(url, auth=auth, verbose=False)
@@ -346,11 +348,12 @@ def main(argv=None) -> int:
     parser.add_argument("--auth", default=os.environ.get("QVL_AUTH"), help="user:password [env QVL_AUTH]")
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--soak", type=int, default=300)
+    parser.add_argument("--new-client-every", type=int, default=5, help="soak requests per client (session)")
     parser.add_argument("--queue-size", type=int, default=settings.Settings.queue_size,
                         help="the launched app's queue bound")
     parser.add_argument("--max-sessions", type=int, default=32,
                         help="the launched app's session bound: above --clients, so the load's conversations are all "
-                             "kept, and below the soak's new sessions (soak / 5), so the soak reaches it")
+                             "kept, and below the soak's new sessions (soak / new-client-every), so the soak reaches it")
     args = parser.parse_args(argv)
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
     workdir = Path(tempfile.mkdtemp(prefix="qvl-stress-"))
@@ -368,7 +371,7 @@ def main(argv=None) -> int:
                   f"{args.max_sessions} sessions", flush=True)
         tallies = []
         for run in (lambda: load(url, args.clients, auth, workdir),
-                    lambda: soak(url, args.soak, auth, pid, workdir),
+                    lambda: soak(url, args.soak, auth, pid, workdir, args.new_client_every),
                     lambda: faults(url, auth, workdir, cache_dir)):
             tallies.append(run())
             print(f"{tallies[-1].name} done", flush=True)
