@@ -251,45 +251,38 @@ def test_sigterm_shuts_down_cleanly_and_frees_the_port(app):
 # Over time: what a long-running server keeps per visitor is bounded, in memory and on disk.
 
 
-@pytest.fixture(scope="module")
-def forgetful(launch_app, tmp_path_factory):
-    """An app that remembers 2 conversations and keeps uploads for 4 seconds (--upload-hours 0.0011)."""
-    uploads = tmp_path_factory.mktemp("uploads")
-    with launch_app("--max-sessions", "2", "--upload-hours", "0.0011", GRADIO_TEMP_DIR=str(uploads)) as running:
-        running.uploads = uploads
-        yield running
-
-
 def image_tokens_seen(client: Client, question: str, files=()) -> int:
     """Ask, and return how many image tokens the model was given: the whole conversation's, as the server holds it."""
     _, status = client.predict([handle_file(str(f)) for f in files], question, **SHORT, api_name="/ask")
     return stress.image_tokens(status)
 
 
-def test_past_max_sessions_the_least_recently_active_conversation_is_forgotten(forgetful):
-    a, b, c = (Client(forgetful.url, verbose=False) for _ in range(3))
-    pictures = [stress.picture(forgetful.log.parent / f"session{n}.png", n) for n in (16, 17, 18)]
-    assert image_tokens_seen(a, "A: what is this?", [pictures[0]]) == 16
-    assert image_tokens_seen(b, "B: what is this?", [pictures[1]]) == 17
-    assert image_tokens_seen(a, "A: and else?") == 16  # two conversations fit
-    assert image_tokens_seen(c, "C: what is this?", [pictures[2]]) == 18  # a third: B, the least recent, goes
-    assert image_tokens_seen(a, "A: still there?") == 16
-    assert image_tokens_seen(b, "B: still there?") == 0  # B starts over, without its picture
+def test_past_max_sessions_the_least_recently_active_conversation_is_forgotten(launch_app, tmp_path):
+    with launch_app("--max-sessions", "2") as app:
+        a, b, c = (Client(app.url, verbose=False) for _ in range(3))
+        pictures = [stress.picture(tmp_path / f"session{n}.png", n) for n in (16, 17, 18)]
+        assert image_tokens_seen(a, "A: what is this?", [pictures[0]]) == 16
+        assert image_tokens_seen(b, "B: what is this?", [pictures[1]]) == 17
+        assert image_tokens_seen(a, "A: and else?") == 16  # two conversations fit
+        assert image_tokens_seen(c, "C: what is this?", [pictures[2]]) == 18  # a third: B, the least recent, goes
+        assert image_tokens_seen(a, "A: still there?") == 16
+        assert image_tokens_seen(b, "B: still there?") == 0  # B starts over, without its picture
 
 
-def test_uploads_are_deleted_after_upload_hours_and_an_old_conversation_asks_for_them_again(forgetful):
-    client = Client(forgetful.url, verbose=False)
-    picture = stress.picture(forgetful.log.parent / "fleeting.png", 20)
-    assert image_tokens_seen(client, "What is this?", [picture]) == 20
-    stored = [p for p in forgetful.uploads.rglob("fleeting.png")]
-    assert stored, "the upload should be in Gradio's temp folder"
-    deadline = time.monotonic() + 60
-    while any(p.exists() for p in stored) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not any(p.exists() for p in stored)
-    with pytest.raises(AppError, match="fleeting.png: file not found; please upload it again"):
-        image_tokens_seen(client, "And now?")
-    assert image_tokens_seen(Client(forgetful.url, verbose=False), "Again:", [picture]) == 20
+def test_uploads_are_deleted_after_upload_hours_and_an_old_conversation_asks_for_them_again(launch_app, tmp_path):
+    with launch_app("--upload-hours", "0.003", GRADIO_TEMP_DIR=str(tmp_path / "uploads")) as app:  # ~11 seconds
+        client = Client(app.url, verbose=False)
+        picture = stress.picture(tmp_path / "fleeting.png", 20)
+        assert image_tokens_seen(client, "What is this?", [picture]) == 20
+        stored = list((tmp_path / "uploads").rglob("fleeting.png"))
+        assert stored, "the upload should be in Gradio's temp folder"
+        deadline = time.monotonic() + 60
+        while any(p.exists() for p in stored) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(p.exists() for p in stored)
+        with pytest.raises(AppError, match="fleeting.png: file not found; please upload it again"):
+            image_tokens_seen(client, "And now?")
+        assert image_tokens_seen(Client(app.url, verbose=False), "Again:", [picture]) == 20
 
 
 # In-process: the engine is this process's, so faults can be injected into it and its generations watched.
