@@ -42,6 +42,11 @@ def answer(page) -> str:
     return page.locator('#chatbot [data-testid="bot"]').last.inner_text()
 
 
+def send(page, question: str):
+    page.locator("#ask textarea").fill(question)
+    page.locator("#ask textarea").press("Enter")
+
+
 def wait_for_growing_answer(page) -> str:
     """Wait until the last answer has text and then more text: it is streaming."""
     page.wait_for_function("() => document.querySelector('#chatbot [data-testid=bot]')?.innerText.length > 0")
@@ -57,8 +62,7 @@ def test_upload_ask_stream_stop_and_change_threads(browser, app):
     page = open_page(browser, app)
     page.locator("#ask input[type=file]").set_input_files(str(ASSETS / "chart.png"))
     page.wait_for_selector('#ask img, #ask [data-testid="thumbnail"]', state="attached")
-    page.locator("#ask textarea").fill("What does this chart show?")
-    page.locator("#ask textarea").press("Enter")
+    send(page, "What does this chart show?")
     page.wait_for_selector('#chatbot [data-testid="user"] img')  # the image is shown in the history
     wait_for_growing_answer(page)
     assert page.locator("#ask textarea").is_disabled()  # no second question while one is answered
@@ -72,8 +76,7 @@ def test_upload_ask_stream_stop_and_change_threads(browser, app):
     assert page.locator("#ask textarea").is_enabled()
 
     # The worker is free again: the next question starts streaming (it would wait ~a minute otherwise).
-    page.locator("#ask textarea").fill("And the smallest bar?")
-    page.locator("#ask textarea").press("Enter")
+    send(page, "And the smallest bar?")
     page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=bot]').length == 2")
     wait_for_growing_answer(page)
     page.locator("#stop").click()
@@ -98,8 +101,7 @@ def test_the_page_speaks_the_browsers_language(browser, app):
 
 
 def ask_and_wait(page, question: str, answers: int):
-    page.locator("#ask textarea").fill(question)
-    page.locator("#ask textarea").press("Enter")
+    send(page, question)
     page.wait_for_function("n => [...document.querySelectorAll('#chatbot [data-testid=bot]')]"
                            ".filter(b => b.innerText.includes('total')).length == n", arg=answers)
 
@@ -109,8 +111,7 @@ def test_a_conversation_the_server_forgot_says_so_and_starts_over(browser, launc
         page = open_page(browser, app)
         ask_and_wait(page, "First question?", 1)
         ask_and_wait(open_page(browser, app), "Another visitor's question?", 1)  # the one session kept is theirs
-        page.locator("#ask textarea").fill("Second question?")
-        page.locator("#ask textarea").press("Enter")
+        send(page, "Second question?")
         page.wait_for_selector("#chatbot >> text=no longer remembers the earlier messages")
         page.wait_for_function("() => !document.querySelector('#ask textarea').disabled")  # answered
         users = page.locator('#chatbot [data-testid="user"]').all_inner_texts()
