@@ -2,23 +2,19 @@
 import logging
 import signal
 
-from qvl import cache, cpu, heap, settings, ui
-from qvl.engine import Engine
+from qvl import heap, settings  # light: --help and a flag error answer before torch and gradio load (seconds)
 
 log = logging.getLogger("qvl")
 
 
 def main():
+    config = settings.parse()
     heap.limit_arenas()  # before the model, the server and their threads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes, one line each
-    config = settings.parse()
-    auth = None
-    if config.auth:
-        user, sep, password = config.auth.partition(":")
-        if not (sep and user and password):
-            raise SystemExit("--auth / QVL_AUTH must look like user:password")
-        auth = (user, password)
+    from qvl import cache, cpu, ui
+    from qvl.engine import Engine
+
     log.info("CPU: %s", cpu.describe())
     engine = Engine(config)
     if engine.fallback:
@@ -29,10 +25,19 @@ def main():
     demo = ui.build(engine, answers, config)
     # SIGTERM (docker stop, Spaces restarts, systemd) closes the server the way Ctrl+C does, and exits 0.
     signal.signal(signal.SIGTERM, lambda *_: demo.close())
+    # Gradio's own start-up text suggests `share=True` in launch(); quiet, and the app says it in its own terms.
     demo.queue(default_concurrency_limit=1, max_size=config.queue_size).launch(
-        server_name=config.host, server_port=config.port, share=config.share, auth=auth,
-        max_file_size=config.max_file_size, state_session_capacity=config.max_sessions, i18n=ui.I18N,
+        server_name=config.host, server_port=config.port, share=config.share,
+        auth=settings.credentials(config.auth) or None, auth_message=ui.login_message(),
+        max_file_size=ui.upload_ceiling(config), state_session_capacity=config.max_sessions, quiet=True,
+        prevent_thread_lock=True, **ui.page_assets(),
     )
+    log.info("qvl is ready: open %s in a browser", demo.local_url)
+    if demo.share_url:
+        log.info("public link (valid for a week, while this process runs): %s", demo.share_url)
+    else:
+        log.info("for a public link, start with --share (protect it with QVL_AUTH=user:password)")
+    demo.block_thread()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import Qwen3VLProcessor
 
-from qvl import generate, heap, images, quant, tiny
+from qvl import generate, heap, images, quant, texts, tiny
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
 
@@ -153,11 +153,7 @@ class Engine:
         prompt_tokens = inputs["input_ids"].shape[1]
         budget = self.max_context - prompt_tokens
         if budget < 1:
-            raise InputError(
-                f"This conversation needs {prompt_tokens} tokens ({image_tokens} for images), over the limit of "
-                f"{self.max_context} tokens. Clear the conversation, send fewer or smaller images, "
-                "or lower 'Max image tokens' in Settings."
-            )
+            raise self._too_long(prompt_tokens, image_tokens, len([i for t in turns for i in t.images]))
         params = params if params.max_new_tokens <= budget else replace(params, max_new_tokens=budget)
         with self._lock:
             self._stop.clear()
@@ -182,12 +178,18 @@ class Engine:
             total_s=end - start, stopped=stopped, truncated=not stopped and len(ids) >= params.max_new_tokens,
         )
 
+    def _too_long(self, needed: int, image_tokens: int, pictures: int) -> InputError:
+        """The refusal of a conversation over the context limit, naming the model's own limit when it is the lower."""
+        return InputError("too_long_model" if self.max_context < self.settings.max_context else "too_long",
+                          needed=needed, limit=self.max_context,
+                          images=lambda lang: texts.image_share(lang, image_tokens, pictures))
+
     def _inputs(self, turns: list[Turn], params: GenParams) -> tuple[dict, int]:
         """Tokenize the conversation and preprocess its images, refusing an oversized one before pixel work."""
         messages, pictures = [], []
         for turn in turns:
             if turn.role not in ("user", "assistant"):
-                raise InputError(f"unknown role {turn.role!r}; turns are 'user' or 'assistant'")
+                raise InputError("bad_role", role=turn.role)
             content = []
             for source in turn.images:
                 pictures.append(images.prepare(images.load(source), params.max_image_tokens, params.min_image_tokens))
@@ -198,18 +200,14 @@ class Engine:
             content.append({"type": "text", "text": text})
             messages.append({"role": turn.role, "content": content})
         if not messages or messages[-1]["role"] != "user":
-            raise InputError("The conversation must end with a user message.")
+            raise InputError("ends_with_user")
         if not turns[-1].text.strip() and not turns[-1].images:
-            raise InputError("Please type a question or add an image.")
+            raise InputError("empty_question")
         image_tokens = sum(images.tokens(p) for p in pictures)
         prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         text_tokens = len(self.processor.tokenizer(prompt)["input_ids"]) - len(pictures)
         if text_tokens + image_tokens >= self.max_context:
-            raise InputError(
-                f"This conversation needs {text_tokens + image_tokens} tokens ({image_tokens} for "
-                f"{len(pictures)} image(s)), over the limit of {self.max_context} tokens. Clear the conversation, "
-                "send fewer or smaller images, or lower 'Max image tokens' in Settings."
-            )
+            raise self._too_long(text_tokens + image_tokens, image_tokens, len(pictures))
         size = {"shortest_edge": params.min_image_tokens * 1024, "longest_edge": params.max_image_tokens * 1024}
         inputs = self.processor(
             text=[prompt], images=pictures or None, return_tensors="pt", images_kwargs={"size": size}

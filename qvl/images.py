@@ -6,13 +6,26 @@ import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from qvl import texts
+
 PIXELS_PER_TOKEN = 32 * 32  # 16 px patches, merged 2x2 into one visual token
 MAX_SOURCE_PIXELS = 64_000_000  # refuse decompression bombs long before they reach memory
 MAX_ASPECT = 100  # Qwen's processor refuses 200:1; thinner strips are padded, not refused
 
 
 class InputError(ValueError):
-    """A request the user can fix: the message says how."""
+    """A request the user can fix: the message (a key of texts.TEXT) says how, in the user's language.
+
+    A parameter may be a function of the language (a phrase inside the message); `detail` is the library's own
+    wording, for the log only. str() is the English message.
+    """
+
+    def __init__(self, key: str, detail: str | None = None, **params):
+        self.key, self.detail, self.params = key, detail, params
+        super().__init__(self.say("en"))
+
+    def say(self, lang: str) -> str:
+        return texts.say(lang, self.key, **{k: v(lang) if callable(v) else v for k, v in self.params.items()})
 
 
 class ImageError(InputError):
@@ -32,12 +45,12 @@ def load(source) -> Image.Image:
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 image = Image.open(source)
         except FileNotFoundError:
-            raise ImageError(f"{name}: file not found; please upload it again.") from None
+            raise ImageError("not_found", name=name) from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # PIL's own, higher limit
-            raise _too_large(name, "far too many") from None
+            raise _too_large(name, lambda lang: texts.TEXT[lang]["far_too_many"]) from None
         except (UnidentifiedImageError, OSError) as e:
-            empty = "is empty" if "empty" in str(e) or _size(source) == 0 else "is not an image PIL can read"
-            raise ImageError(f"{name} {empty}; please upload a PNG, JPEG, WebP or GIF picture.") from None
+            empty = "empty" in str(e) or _size(source) == 0
+            raise ImageError("empty_file" if empty else "not_image", detail=str(e), name=name) from None
     w, h = image.size
     if w < 1 or h < 1 or w * h > MAX_SOURCE_PIXELS:
         raise _too_large(name, f"{w}x{h}")
@@ -48,15 +61,12 @@ def load(source) -> Image.Image:
             image = ImageOps.exif_transpose(image)
             image = _to_rgb(image)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as e:
-        raise ImageError(f"{name} is damaged or truncated ({e}); please upload a complete image.") from None
+        raise ImageError("damaged", detail=str(e), name=name) from None
     return image
 
 
-def _too_large(name: str, size: str) -> ImageError:
-    return ImageError(
-        f"{name} has {size} pixels; images up to {MAX_SOURCE_PIXELS // 1_000_000} megapixels are accepted. "
-        "Please downscale it first."
-    )
+def _too_large(name: str, size) -> ImageError:
+    return ImageError("too_many_pixels", name=name, size=size, limit=MAX_SOURCE_PIXELS // 1_000_000)
 
 
 def _size(source) -> int | None:

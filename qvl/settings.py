@@ -37,7 +37,9 @@ class Settings:
     host: str = field(default_factory=lambda: os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     port: int = field(default_factory=lambda: int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     share: bool = False
-    auth: str | None = None  # "user:password"; prefer QVL_AUTH so it stays out of shell history
+    auth: str | None = None  # "user:password[,user:password…]"; prefer QVL_AUTH so it stays out of shell history
+    # Users of --auth who may change server-wide settings (threads, clearing the cache) on a server others reach.
+    admins: str = ""
     cache: bool = True
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "answers"))
     cache_size: str = "auto"  # 5% of the free disk, at most 2 GiB
@@ -46,6 +48,15 @@ class Settings:
     # Gradio holds ~0.1 MB per browser tab or API client, never freed on its own: this bounds it (~100 MB).
     max_sessions: int = 1000
     upload_hours: float = 24.0  # uploads live in Gradio's temp folder, which otherwise only grows
+
+    @property
+    def admin_names(self) -> list[str]:
+        return [name.strip() for name in self.admins.split(",") if name.strip()]
+
+    @property
+    def private(self) -> bool:
+        """Reachable from this machine only: then whoever uses the page is its operator."""
+        return self.host in ("127.0.0.1", "localhost", "::1") and not self.share
 
 
 _HELP = {
@@ -67,7 +78,9 @@ _HELP = {
     "host": "address to bind; 0.0.0.0 exposes the app to your network",
     "port": "port to serve on",
     "share": "create a public Gradio share link",
-    "auth": "user:password required to use the app",
+    "auth": "user:password required to use the app; several users separated by commas",
+    "admins": "comma-separated --auth users who may change server-wide settings (threads, clearing the cache); "
+              "on a server bound to localhost without --share everyone may",
     "cache": "answer cache on disk (--no-cache turns it off)",
     "cache_dir": "answer cache folder",
     "cache_size": "answer cache size limit, e.g. 500MB, 2GB; auto is 5% of the free disk, at most 2GB",
@@ -108,7 +121,7 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
     for name, kind, default in _flags(base):
         flag, var = "--" + name.replace("_", "-"), "QVL_" + name.upper()
         shown = "" if name == "auth" else f", default {default}"  # a secret stays out of --help output
-        help_text = f"{_HELP[name]} [env {var}{shown}]"
+        help_text = f"{_HELP[name]} [env {var}{shown}]".replace("%", "%%")  # argparse formats help with %
         if var in env:
             try:
                 default = _parse_bool(env[var]) if kind is bool else kind(env[var])
@@ -126,4 +139,22 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
         parser.error(f"--quant must be one of auto, fp32, bf16, int8, int4 (got {settings.quant!r})")
     if settings.max_sessions < 1 or settings.upload_hours < 0:
         parser.error("--max-sessions must be at least 1 and --upload-hours at least 0")
+    try:
+        users = dict(credentials(settings.auth))
+    except ValueError as e:
+        parser.error(str(e))
+    unknown = [name for name in settings.admin_names if name not in users]
+    if unknown:
+        parser.error(f"--admins names {', '.join(unknown)}, not among the --auth users ({', '.join(users) or 'none'})")
     return settings
+
+
+def credentials(auth: str | None) -> list[tuple[str, str]]:
+    """[(user, password), …] from "user:password[,user:password…]"; a password may contain ':' but not ','."""
+    pairs = []
+    for item in (auth or "").split(",") if auth else []:
+        user, sep, password = item.strip().partition(":")
+        if not (sep and user and password):
+            raise ValueError("--auth / QVL_AUTH must look like user:password (several separated by commas)")
+        pairs.append((user, password))
+    return pairs

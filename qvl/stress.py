@@ -30,10 +30,10 @@ import httpx
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from qvl import settings, tiny, ui
+from qvl import settings, texts, tiny
 
 ROOT = Path(__file__).resolve().parent.parent
-BUSY = ui.TEXT["en"]["busy"].split("(")[0].strip()  # "The server is busy"
+BUSY = texts.TEXT["en"]["busy"].split("(")[0].strip()  # "The server is busy"
 # Sampled, so the tiny model's answers differ by seed and conversation; short, so a request costs well under a second.
 ASK = dict(use_cache=True, max_image_tokens=320, max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=200,
            greedy=False, seed=0)

@@ -127,7 +127,7 @@ def test_too_long_conversation_is_refused_before_compute(engine):
     calls = []
     hook = engine.model.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
-        with pytest.raises(InputError, match=f"limit of {engine.max_context} tokens"):
+        with pytest.raises(InputError, match=f"this model handles at most {engine.max_context}"):
             next(engine.chat([Turn("user", "word " * engine.max_context)], GREEDY))
         many = tuple(picture(1024, 1024) for _ in range(20))
         with pytest.raises(InputError, match="image"):
@@ -135,6 +135,15 @@ def test_too_long_conversation_is_refused_before_compute(engine):
     finally:
         hook.remove()
     assert calls == []
+
+
+def test_a_context_limit_below_the_models_is_named_as_the_servers(tiny_dir):
+    small = Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--max-context", "64"], env={}))
+    with pytest.raises(InputError) as refused:
+        next(small.chat([Turn("user", "word " * 80, (picture(),))], GREEDY))
+    assert refused.value.key == "too_long" and " tokens (80 of them for 1 image), over the limit of 64 tokens." in \
+        str(refused.value)
+    assert "（其中 80 个用于 1 张图片），超过了 64 个 token 的上限" in refused.value.say("zh-CN")
 
 
 def test_offline_fallback_serves_the_tiny_model(tmp_path, monkeypatch, caplog):

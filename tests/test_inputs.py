@@ -94,8 +94,8 @@ def cut(data: bytes) -> bytes:
 
 
 UNREADABLE = {
-    "notes.png": (lambda: b"Shopping list:\n- milk\n- bread\n", "notes.png is not an image"),
-    "scan.pdf": (lambda: MINIMAL_PDF, "scan.pdf is not an image"),
+    "notes.png": (lambda: b"Shopping list:\n- milk\n- bread\n", "notes.png is not a picture"),
+    "scan.pdf": (lambda: MINIMAL_PDF, "scan.pdf is not a picture"),
     "empty.jpg": (lambda: b"", "empty.jpg is empty"),
     "cut.jpg": (lambda: cut(encoded(Image.effect_noise((96, 64), 60).convert("RGB"), "JPEG")), "cut.jpg is damaged"),
     "cut.png": (lambda: cut(encoded(Image.effect_noise((96, 64), 60).convert("RGB"), "PNG")), "cut.png is damaged"),
@@ -214,7 +214,8 @@ def test_a_200kb_question_is_refused_with_the_context_limit(engine, monkeypatch)
     question = "Please read this carefully. " * 7200  # ~200 KB, pasted by mistake
     assert len(question.encode()) > 200_000
     message = refusal(engine, monkeypatch, [Turn("user", question)])
-    assert f"over the limit of {engine.max_context} tokens" in message and "Clear the conversation" in message
+    assert f"but this model handles at most {engine.max_context}." in message and "Clear the conversation" in message
+    assert "image" not in message.split(".")[0]  # no "(0 for 0 images)" when there are none
 
 
 def test_more_images_than_the_context_holds_are_refused_naming_the_image_count(engine, monkeypatch):
@@ -222,7 +223,7 @@ def test_more_images_than_the_context_holds_are_refused_naming_the_image_count(e
     count = engine.max_context // 1024 + 1
     pictures = tuple(scene(1024, 1024) for _ in range(count))
     message = refusal(engine, monkeypatch, [Turn("user", "Compare them.", pictures)], budget)
-    assert f"for {count} image(s)" in message and "fewer or smaller images" in message
+    assert f"({count * 1024} of them for {count} images)" in message and "fewer or smaller images" in message
 
 
 ODD_TEXT = {

@@ -1,0 +1,132 @@
+"""One answer, as both the page and the API get it: from the cache at once, or after waiting in line, streamed.
+
+Also what the user reads about it: the quiet stats line under an answer, and the message when there is none.
+"""
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import replace
+
+from qvl import texts
+from qvl.cache import parse_size
+from qvl.images import InputError
+from qvl.line import Busy, Line
+
+log = logging.getLogger("qvl")
+# The GenParams fields a session may set (Settings tab, API), in that order; the rest stay at the server's flags.
+PARAMS = ("max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "greedy", "seed")
+
+
+@dataclasses.dataclass
+class Update:
+    """One step of an answer: its place in line while waiting, then the text so far, then the final stats."""
+
+    text: str = ""
+    ahead: int = 0
+    stats: dict | None = None
+    cached_in: float | None = None  # seconds a cache hit took, for a cached answer
+
+
+def size_text(n: int) -> str:
+    """20971520 -> '20 MB': the unit a person reads (powers of 1024, as --max-file-size counts)."""
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+class Answerer:
+    def __init__(self, engine, cache, settings):
+        self.engine, self.cache, self.gen = engine, cache, settings.gen
+        self.line = Line(settings.queue_size)
+        self.upload_limit = parse_size(settings.max_file_size)
+        self.identity = engine.identity  # hashes weight files: once, not per request
+        self._kinds = {f.name: f.type for f in dataclasses.fields(settings.gen)}
+
+    def params(self, values) -> object:
+        """GenParams from a session's PARAMS values (sliders send floats; an emptied number box keeps the default)."""
+        chosen = {name: self._kinds[name](value) for name, value in zip(PARAMS, values) if value is not None}
+        return replace(self.gen, **chosen)
+
+    def check_uploads(self, turns):
+        """Refuse an upload over --max-file-size with our message (Gradio's own is English and counts bytes)."""
+        for turn in turns:
+            for path in turn.images:
+                if isinstance(path, str) and os.path.isfile(path) and os.path.getsize(path) > self.upload_limit:
+                    raise InputError("file_too_big", name=os.path.basename(path), limit=size_text(self.upload_limit))
+
+    async def answer(self, turns, params, use_cache: bool, fresh: bool):
+        """Yield Updates for one answer: a cache hit at once, else the place in line, the stream, the stats.
+
+        Raises InputError (bad input, before any generation), Busy, or whatever generation raised.
+        """
+        start, cache, key = time.perf_counter(), self.cache, None
+        self.check_uploads(turns)
+        if use_cache and cache.enabled and not fresh:
+            key = await asyncio.to_thread(cache.key, turns, params, self.identity)
+            hit = await asyncio.to_thread(cache.get, key)
+            if hit is not None:
+                yield Update(text=hit.text, stats=hit.stats, cached_in=time.perf_counter() - start)
+                return
+        ticket = self.line.join()
+        try:
+            while ahead := self.line.ahead(ticket):
+                yield Update(ahead=ahead)
+                await self.line.moved(timeout=1.0)
+            pieces, step, text, shown = self.engine.chat(turns, params), None, "", 0.0
+            try:
+                while True:
+                    # Shielded: a cancelled await (Stop) must not leave next() running when the finally closes it.
+                    step = asyncio.ensure_future(asyncio.to_thread(next, pieces, None))
+                    item = await asyncio.shield(step)
+                    if not isinstance(item, str):
+                        break
+                    text += item
+                    # A fast model would send a browser 100 re-renders a second; 20 look the same and cost it less.
+                    if time.monotonic() - shown >= 0.05:
+                        shown = time.monotonic()
+                        yield Update(text=text)
+            finally:
+                if step is not None:
+                    await asyncio.wait([step])
+                await asyncio.to_thread(pieces.close)  # stops generation within one step; frees the engine
+        finally:
+            self.line.leave(ticket)
+        if key is not None:
+            await asyncio.to_thread(cache.put, key, text, item)
+        yield Update(text=text, stats=dataclasses.asdict(item))
+
+
+def problem(lang: str, error: Exception) -> str:
+    """What the user is told when there is no answer: how to fix their input, to retry, or that it went wrong.
+
+    Bad input is one line in the log (with the library's own wording, which the user never sees); a real fault
+    gets its traceback.
+    """
+    if isinstance(error, InputError):
+        log.info("refused: %s%s", error, f" ({error.detail})" if error.detail else "")
+        return error.say(lang)
+    if isinstance(error, Busy):
+        return texts.say(lang, "busy", size=error.args[0])
+    log.error("answer failed", exc_info=error)
+    return texts.say(lang, "failed")
+
+
+def stats_line(lang: str, update: Update) -> str:
+    s = update.stats
+    if update.cached_in is not None:
+        return texts.say(lang, "from_cache", elapsed=update.cached_in, total=s["total_s"])
+    parts = [texts.say(lang, "stats", ttft=s["ttft_s"], tps=s["decode_tok_s"], image_tokens=s["image_tokens"],
+                       total=s["total_s"])]
+    if s.get("truncated"):
+        parts.append(texts.say(lang, "truncated"))
+    return " · ".join(parts)
+
+
+def turns(conversation: list[dict]):
+    """The model's view of a conversation: failed exchanges and notes are for the user's eyes only."""
+    from qvl.engine import Turn  # here, not at the top: qvl.engine imports torch, which the UI never needs
+
+    return [Turn(e["role"], e["text"], tuple(e["images"])) for e in conversation if not e.get("failed")]

@@ -1,0 +1,144 @@
+"""The chat tab: the conversation, the input box (send turns into stop while answering), examples in the empty chat.
+
+A conversation is a list of entries {"role", "text", "images", "note"} kept in a gr.State; a user entry marked
+"pending" is one waiting for its answer, an entry marked "failed" is shown but never sent to the model.
+"""
+import contextlib
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import gradio as gr
+
+from qvl import answers, texts
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+EXAMPLES = [("chart.png", "example_chart"), ("receipt.png", "example_receipt"), ("scene.png", "example_scene"),
+            ("shapes.png", "example_shapes")]
+
+
+def render(conversation: list[dict]) -> list[dict]:
+    """Chatbot messages: the images then the text of each user turn; each answer with its quiet stats line."""
+    messages = []
+    for e in conversation:
+        if e["role"] == "user":
+            content = [{"path": p} for p in e["images"]] + ([e["text"]] if e["text"] else [])
+        else:
+            note = f"<sub>{e['note']}</sub>" if e.get("note") else ""
+            content = "\n\n".join(part for part in (e["text"], note) if part)
+        messages.append({"role": e["role"], "content": content})
+    return messages
+
+
+def asking(possible: bool, **box) -> gr.MultimodalTextbox:
+    """The input box, open with its send button, or locked while an answer is written with a stop button instead."""
+    return gr.MultimodalTextbox(interactive=possible, submit_btn=possible, stop_btn=not possible, **box)
+
+
+def welcome(lang: str) -> gr.Chatbot:
+    """The empty chat in the browser's language: what to do, and the examples as thumbnails with their question."""
+    text = texts.TEXT[lang]
+    examples = [{"text": text[key], "files": [str(ASSETS / name)]} for name, key in EXAMPLES]
+    return gr.Chatbot(placeholder=text["welcome"], examples=examples)
+
+
+def draw(i18n: gr.I18n) -> tuple[gr.Chatbot, gr.MultimodalTextbox]:
+    chatbot = gr.Chatbot(label=i18n("conversation"), height="68vh", elem_id="chatbot", buttons=["copy", "copy_all"],
+                         feedback_options=None, placeholder=texts.TEXT["en"]["welcome"],
+                         examples=welcome("en").examples)
+    box = gr.MultimodalTextbox(file_types=["image"], file_count="multiple", placeholder=i18n("placeholder"),
+                               show_label=False, elem_id="ask", autofocus=True, submit_btn=True, stop_btn=False)
+    return chatbot, box
+
+
+def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State, session: list, answerer):
+    """The tab's events. session: the inputs that make a request (conversation, use_cache, the PARAMS controls)."""
+
+    def answering(fresh: bool):
+        """Answer the pending question at the end of the conversation, filling a new assistant entry as it comes."""
+
+        async def respond(request: gr.Request, conversation: list, use_cache: bool, *values):
+            lang = texts.language(request.headers.get("accept-language"))
+            if not conversation or not conversation[-1].get("pending"):
+                yield gr.skip(), gr.skip()
+                return
+            params = answerer.params(values)
+            if fresh:  # Regenerate: a new sample, never the cached one
+                params = replace(params, seed=random.randrange(2**31))
+            reply = {"role": "assistant", "text": "", "images": [], "note": ""}
+            conversation = conversation[:-1] + [dict(conversation[-1], pending=False), reply]
+            turns = answers.turns(conversation[:-1])
+            try:
+                async with contextlib.aclosing(answerer.answer(turns, params, use_cache, fresh)) as updates:
+                    async for update in updates:
+                        reply["text"], reply["done"] = update.text, update.stats is not None
+                        reply["note"] = answers.stats_line(lang, update) if update.stats else (
+                            texts.say(lang, "waiting", ahead=update.ahead) if update.ahead else "")
+                        yield conversation, render(conversation)
+            except Exception as e:
+                note = "⚠ " + answers.problem(lang, e)
+                conversation[-2:] = [dict(conversation[-2], failed=True), dict(reply, note=note, failed=True)]
+                yield conversation, render(conversation)
+
+        return respond
+
+    def ask(conversation: list, shown: list, request: gr.Request, text: str, files: list):
+        lang = texts.language(request.headers.get("accept-language"))
+        if shown and not conversation:  # past --max-sessions Gradio dropped this session's state: say so
+            conversation = [{"role": "assistant", "text": "", "images": [], "failed": True,
+                             "note": texts.say(lang, "forgotten")}]
+        conversation = conversation + [{"role": "user", "text": text, "images": list(files), "pending": True}]
+        return conversation, render(conversation), asking(False, value=None)
+
+    def add_user(message: dict, conversation: list, shown: list, request: gr.Request):
+        text, files = (message or {}).get("text", ""), (message or {}).get("files", [])
+        if not text.strip() and not files:  # Enter on an empty box: nothing to send
+            return gr.skip(), gr.skip(), gr.skip()
+        return ask(conversation, shown, request, text, files)
+
+    def add_example(conversation: list, shown: list, request: gr.Request, picked: gr.SelectData):
+        files = [f["path"] if isinstance(f, dict) else f for f in picked.value.get("files", [])]
+        return ask(conversation, shown, request, picked.value.get("text", ""), files)
+
+    def after_stop(conversation: list, request: gr.Request):
+        """Keep what was said so far, marked as stopped; an answer that had not begun is dropped."""
+        last = conversation[-1] if conversation else {}
+        if last.get("role") == "assistant" and not last.get("done") and not last.get("failed"):
+            stopped = dict(last, note=texts.say(texts.language(request.headers.get("accept-language")), "stopped"))
+            conversation = conversation[:-1] + ([stopped] if last["text"] else [])
+        return conversation, render(conversation), asking(True)
+
+    def drop_answer(conversation: list):
+        """Regenerate's first step: the last question without its answer, pending again even if it failed."""
+        while conversation and conversation[-1]["role"] == "assistant":
+            conversation = conversation[:-1]
+        if conversation:
+            conversation = conversation[:-1] + [dict(conversation[-1], failed=False, pending=True)]
+        return conversation, render(conversation), asking(False)
+
+    def undo(conversation: list):
+        """Remove the last question and its answer, and put the question back in the input box."""
+        last = max((i for i, e in enumerate(conversation) if e["role"] == "user"), default=None)
+        if last is None:
+            return conversation, render(conversation), asking(True)
+        user, conversation = conversation[last], conversation[:last]
+        return conversation, render(conversation), asking(True, value={"text": user["text"], "files": user["images"]})
+
+    shown = [conversation, chatbot, box]
+    private = dict(api_visibility="private")
+    streamed = dict(inputs=session, outputs=[conversation, chatbot], concurrency_limit=None, show_progress="hidden",
+                    **private)
+    reopen = dict(fn=lambda: asking(True), outputs=box, **private)
+    asked = box.submit(add_user, [box, conversation, chatbot], shown, queue=False, **private)
+    asked = asked.then(answering(fresh=False), **streamed)
+    asked.then(**reopen)
+    picked = chatbot.example_select(add_example, [conversation, chatbot], shown, queue=False, **private)
+    picked = picked.then(answering(fresh=False), **streamed)
+    picked.then(**reopen)
+    redone = chatbot.retry(drop_answer, conversation, shown, queue=False, **private)
+    redone = redone.then(answering(fresh=True), **streamed)
+    redone.then(**reopen)
+    running = [asked, picked, redone]
+    box.stop(None, cancels=running, **private).then(after_stop, conversation, shown, **private)
+    chatbot.undo(undo, conversation, shown, cancels=running, **private)
+    chatbot.clear(lambda: ([], [], asking(True, value=None)), None, shown, cancels=running, **private)

@@ -1,0 +1,123 @@
+"""The settings tab: generation settings for this session, the answer cache, and a collapsed "This server" section.
+
+Server-wide controls (threads, clearing the whole cache) belong to the operator: whoever uses a server bound to
+localhost without --share, or an --admins user. Everyone else sees them read-only, and the server refuses them too.
+"""
+from importlib import metadata
+from pathlib import Path
+
+import gradio as gr
+
+from qvl import cpu, texts
+from qvl.answers import PARAMS
+
+INSTRUCTION_SETS = ("AVX2", "AVX-512", "VNNI", "BF16", "AMX")  # qvl.cpu's names, each shown as present or not
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def draw(i18n: gr.I18n, engine, cache, settings) -> dict:
+    gen = settings.gen
+    gr.Markdown(i18n("generation"))
+    with gr.Row():
+        controls = [
+            gr.Slider(16, max(4096, gen.max_image_tokens), value=gen.max_image_tokens, step=16,
+                      label=i18n("max_image_tokens")),
+            gr.Slider(1, max(2048, gen.max_new_tokens), value=gen.max_new_tokens, step=1, label=i18n("max_new_tokens")),
+        ]
+    with gr.Row():
+        controls += [
+            gr.Slider(0.05, 2.0, value=gen.temperature, step=0.05, label=i18n("temperature")),
+            gr.Slider(0.05, 1.0, value=gen.top_p, step=0.05, label=i18n("top_p")),
+            gr.Slider(1, 200, value=gen.top_k, step=1, label=i18n("top_k")),
+        ]
+    with gr.Row():
+        controls += [
+            gr.Checkbox(gen.greedy, label=i18n("greedy")),
+            gr.Number(gen.seed, label=i18n("seed"), precision=0, minimum=0, maximum=2**32 - 1),
+        ]
+    assert len(controls) == len(PARAMS)
+    gr.Markdown(i18n("cache"))
+    parts = {"controls": controls}
+    parts["use_cache"] = gr.Checkbox(cache.enabled, label=i18n("use_cache"), interactive=cache.enabled)
+    parts["cache_status"] = gr.Markdown(elem_id="cache-status")
+    with gr.Row():
+        parts["refresh"] = gr.Button(i18n("refresh"), size="sm", scale=0, elem_id="refresh")
+        parts["clear"] = gr.Button(i18n("cache_clear"), size="sm", scale=0, elem_id="clear-cache", interactive=False)
+    with gr.Row(visible=False, elem_id="confirm-clear") as parts["confirm"]:
+        gr.Markdown(i18n("cache_confirm"))
+        parts["yes"] = gr.Button(i18n("cache_yes"), size="sm", variant="stop", scale=0, elem_id="clear-yes")
+        parts["cancel"] = gr.Button(i18n("cancel"), size="sm", scale=0)
+    with gr.Accordion(i18n("server"), open=False, elem_id="server"):
+        parts["operator_only"] = gr.Markdown(i18n("operator_only"), visible=False, elem_id="operator-only")
+        parts["threads"] = gr.Slider(1, max(cpu.available_cores(), engine.threads, 8), value=engine.threads, step=1,
+                                     label=i18n("threads"), elem_id="threads", interactive=False)
+        parts["facts"] = gr.Markdown(elem_id="facts")
+    return parts
+
+
+def wire(parts: dict, tab: gr.Tab, demo: gr.Blocks, engine, cache, settings):
+    def is_operator(request: gr.Request) -> bool:
+        return settings.private or getattr(request, "username", None) in settings.admin_names
+
+    def lang(request: gr.Request) -> str:
+        return texts.language(request.headers.get("accept-language"))
+
+    def facts(request: gr.Request) -> str:
+        text, operator = texts.TEXT[lang(request)], is_operator(request)
+        flags = " ".join(f"{name} {'✓' if name in cpu.flags() else '✗'}" for name in INSTRUCTION_SETS)
+        versions = " · ".join(f"{p} {_version(p)}" for p in ("torch", "transformers", "gradio"))
+        threads = text["fact_threads_value"].format(
+            threads=engine.threads, interop=settings.interop_threads, cores=cpu.available_cores())
+        # A visitor learns what answers them, not where this server keeps its files or how its kernels are packed.
+        model = engine.model_id if operator or not Path(engine.model_id).is_absolute() else Path(engine.model_id).name
+        rows = [("fact_model", f"`{model}`"), ("fact_precision", engine.precision if operator else
+                                               engine.precision.split(":")[0]),
+                ("fact_threads", threads), ("fact_cpu", f"{cpu.model_name()} · {flags}"), ("fact_versions", versions)]
+        if operator:
+            rows.append(("fact_cache_dir", f"`{cache.directory}`"))
+            if engine.fallback:
+                rows.append(("fact_fallback", engine.fallback))
+        return "\n".join(f"- **{text[k]}**: {v}" for k, v in rows)
+
+    def cache_status(request: gr.Request) -> str:
+        text, info = texts.TEXT[lang(request)], cache.info()
+        state = text["broken"] if info["error"] else text["on"] if info["enabled"] else text["off"]
+        line = text["cache_line"].format(state=state, entries=info["entries"], size=info["size_bytes"] / 1e6,
+                                         hits=info["hits"], misses=info["misses"])
+        return line + (f"\n\n⚠ `{info['error']}`" if info["error"] and is_operator(request) else "")
+
+    def page(request: gr.Request):
+        """What this visitor may change, and the facts for their language."""
+        operator = is_operator(request)
+        return (gr.Slider(interactive=operator), gr.Button(interactive=operator), gr.Markdown(visible=not operator),
+                facts(request), cache_status(request))
+
+    def set_threads(n: float, request: gr.Request):
+        if is_operator(request):
+            engine.set_threads(int(n))
+        else:  # the slider is read-only for them; a crafted request changes nothing either
+            gr.Warning(texts.say(lang(request), "not_operator"))
+        return gr.Slider(value=engine.threads), facts(request)
+
+    def clear_cache(request: gr.Request):
+        if is_operator(request):
+            cache.clear()
+        else:
+            gr.Warning(texts.say(lang(request), "not_operator"))
+        return gr.Row(visible=False), cache_status(request)
+
+    private = dict(api_visibility="private")
+    status, threads, facts_md = parts["cache_status"], parts["threads"], parts["facts"]
+    demo.load(page, None, [threads, parts["clear"], parts["operator_only"], facts_md, status], **private)
+    threads.input(set_threads, threads, [threads, facts_md], **private)
+    parts["refresh"].click(cache_status, None, status, **private)
+    tab.select(cache_status, None, status, **private)
+    parts["clear"].click(lambda: gr.Row(visible=True), None, parts["confirm"], queue=False, **private)
+    parts["cancel"].click(lambda: gr.Row(visible=False), None, parts["confirm"], queue=False, **private)
+    parts["yes"].click(clear_cache, None, [parts["confirm"], status], **private)

@@ -1,0 +1,144 @@
+"""Every sentence a user can read, in English and Simplified Chinese: the page's labels and the server's messages.
+
+The page's labels reach the browser through Gradio's i18n (ui.I18N) and are translated there; the server's messages
+(errors, place in line, stats) are filled in on the server for the browser's language with say(). Library wording
+(PIL's, Gradio's) never reaches the user: it goes to the log.
+"""
+
+TEXT = {
+    "en": {
+        "title": "## Chat about images with Qwen3-VL, on a CPU",
+        "fallback": "⚠ **Offline fallback**: the real model could not be loaded, so a tiny random model is "
+                    "answering: its answers are gibberish.",
+        "warming": "⏳ Warming up: the model is getting ready. Questions asked now wait in line and are answered "
+                   "as soon as it is.",
+        "chat": "Chat", "settings": "Settings", "conversation": "Conversation",
+        "placeholder": "Ask about your images… (Enter sends, Shift+Enter for a new line)",
+        "welcome": "### Ask anything about a picture\n\nAdd one or more images (upload, drag and drop or paste), "
+                   "type a question and press Enter. The answer is written live by this machine's CPU.\n\n"
+                   "Or start with one of these:",
+        "example_chart": "Which fruit sold the most, and how many more boxes than the least popular one?",
+        "example_receipt": "What is the total on this receipt, and which item cost the most?",
+        "example_scene": "Describe this picture in one sentence.",
+        "example_shapes": "How many red circles are there?",
+        "threads": "Intra-op threads (whole server, applies at once)",
+        "generation": "### Generation (your session only)",
+        "max_image_tokens": "Max image tokens (fewer is faster, more sees finer detail)",
+        "max_new_tokens": "Max new tokens", "temperature": "Temperature", "top_p": "Top-p", "top_k": "Top-k",
+        "greedy": "Greedy (deterministic; ignores temperature, top-p, top-k)", "seed": "Seed",
+        "cache": "### Answer cache", "use_cache": "Answer my repeated questions from the cache",
+        "cache_clear": "Clear the cache…", "cache_confirm": "Delete every cached answer, for every visitor?",
+        "cache_yes": "Yes, clear it", "cancel": "Cancel", "refresh": "Refresh",
+        "server": "This server",
+        "operator_only": "Server-wide settings (threads, clearing the cache) are for the operator of this server.",
+        # Filled in on the server for the browser's language, so they carry placeholders.
+        "waiting": "Waiting in line: {ahead} request(s) ahead of you…",
+        "busy": "The server is busy ({size} requests are already waiting). Please try again shortly.",
+        "failed": "Something went wrong while answering. Please try again.",
+        "not_operator": "Only the operator of this server can change this.",
+        "stopped": "stopped",
+        "forgotten": "⚠ The server no longer remembers the earlier messages (many visitors came after your last "
+                     "one), so this starts a new conversation.",
+        "stats": "first token {ttft:.2f} s · {tps:.1f} tok/s · {image_tokens} image tokens · {total:.1f} s total",
+        "from_cache": "answered from cache in {elapsed:.2f} s (first computed in {total:.1f} s)",
+        "truncated": "hit the max-new-tokens limit",
+        "cache_line": "{state} · {entries} answers · {size:.1f} MB · {hits} hits · {misses} misses",
+        "on": "on", "off": "off", "broken": "unusable, answering without it",
+        "fact_model": "Model", "fact_precision": "Precision / quantization", "fact_threads": "Threads",
+        "fact_threads_value": "{threads} intra-op · {interop} inter-op (fixed at start-up) · {cores} cores available",
+        "fact_cpu": "CPU", "fact_versions": "Versions", "fact_fallback": "Fallback reason",
+        "fact_cache_dir": "Answer cache folder",
+        # The user's input, refused with what to do about it.
+        "not_found": "{name}: file not found; please upload it again.",
+        "empty_file": "{name} is empty; please upload a PNG, JPEG, WebP or GIF picture.",
+        "not_image": "{name} is not a picture this app can read; please upload a PNG, JPEG, WebP or GIF picture.",
+        "damaged": "{name} is damaged or truncated; please upload a complete image.",
+        "too_many_pixels": "{name} has {size} pixels; images up to {limit} megapixels are accepted. "
+                           "Please downscale it first.",
+        "far_too_many": "far too many",
+        "file_too_big": "{name} is larger than {limit}; please upload a smaller picture.",
+        "empty_question": "Please type a question or add an image.",
+        "bad_role": "Unknown role {role!r}: each turn is 'user' or 'assistant'.",
+        "ends_with_user": "The conversation must end with a user message.",
+        "too_long": "This conversation needs {needed} tokens{images}, over the limit of {limit} tokens. "
+                    "Clear the conversation, send fewer or smaller images, or lower 'Max image tokens' in Settings.",
+        "too_long_model": "This conversation needs {needed} tokens{images}, but this model handles at most {limit}. "
+                          "Clear the conversation, send fewer or smaller images, or lower 'Max image tokens' in "
+                          "Settings.",
+        "image_share": " ({tokens} of them for {count} {pictures})",
+        "picture": "image", "pictures": "images",
+    },
+    "zh-CN": {
+        "title": "## 用 Qwen3-VL 聊图片（CPU 运行）",
+        "fallback": "⚠ **离线后备模式**：无法加载真实模型，当前由一个微型随机模型回答，内容没有意义。",
+        "warming": "⏳ 正在预热：模型还在准备中。现在提出的问题会排队，准备好后立即回答。",
+        "chat": "聊天", "settings": "设置", "conversation": "对话",
+        "placeholder": "关于图片提问……（回车发送，Shift+回车换行）",
+        "welcome": "### 关于图片，尽管问\n\n添加一张或多张图片（上传、拖放或粘贴），输入问题后按回车。"
+                   "回答由本机 CPU 实时逐字生成。\n\n也可以从这些示例开始：",
+        "example_chart": "哪种水果卖得最多？比最不受欢迎的多卖了几箱？",
+        "example_receipt": "这张收据的总金额是多少？哪一项最贵？",
+        "example_scene": "用一句话描述这张图片。",
+        "example_shapes": "图中有几个红色的圆？",
+        "threads": "算子内线程数（全服务器，立即生效）",
+        "generation": "### 生成参数（仅对你的会话）",
+        "max_image_tokens": "图片最大 token 数（越少越快，越多细节越清楚）",
+        "max_new_tokens": "最大生成 token 数", "temperature": "温度", "top_p": "Top-p", "top_k": "Top-k",
+        "greedy": "贪心解码（结果确定；忽略温度、top-p、top-k）", "seed": "随机种子",
+        "cache": "### 回答缓存", "use_cache": "重复的问题从缓存回答",
+        "cache_clear": "清空缓存……", "cache_confirm": "要删除所有访客的全部缓存回答吗？",
+        "cache_yes": "确定清空", "cancel": "取消", "refresh": "刷新",
+        "server": "本服务器",
+        "operator_only": "全服务器设置（线程数、清空缓存）仅限本服务器的管理员修改。",
+        "waiting": "排队中：前面还有 {ahead} 个请求……",
+        "busy": "服务器繁忙（已有 {size} 个请求在排队），请稍后再试。",
+        "failed": "回答时出错，请重试。",
+        "not_operator": "只有本服务器的管理员可以修改此项。",
+        "stopped": "已停止",
+        "forgotten": "⚠ 服务器已不再记得之前的消息（在您上次提问后来了很多访客），以下是一个新的对话。",
+        "stats": "首个 token {ttft:.2f} 秒 · {tps:.1f} token/秒 · 图片 {image_tokens} token · "
+                 "共 {total:.1f} 秒",
+        "from_cache": "{elapsed:.2f} 秒内从缓存回答（首次计算用时 {total:.1f} 秒）",
+        "truncated": "已达最大生成长度",
+        "cache_line": "{state} · {entries} 条回答 · {size:.1f} MB · 命中 {hits} · 未命中 {misses}",
+        "on": "开启", "off": "关闭", "broken": "不可用，暂不使用缓存",
+        "fact_model": "模型", "fact_precision": "精度 / 量化", "fact_threads": "线程",
+        "fact_threads_value": "算子内 {threads} · 算子间 {interop}（启动时固定） · 可用核心 {cores}",
+        "fact_cpu": "CPU", "fact_versions": "版本", "fact_fallback": "后备原因",
+        "fact_cache_dir": "回答缓存目录",
+        "not_found": "{name}：找不到文件，请重新上传。",
+        "empty_file": "{name} 是空文件，请上传 PNG、JPEG、WebP 或 GIF 图片。",
+        "not_image": "无法读取 {name}，它不是本应用能识别的图片，请上传 PNG、JPEG、WebP 或 GIF 图片。",
+        "damaged": "{name} 已损坏或不完整，请上传完整的图片。",
+        "too_many_pixels": "{name} 有 {size} 像素；最多接受 {limit} 百万像素的图片，请先缩小。",
+        "far_too_many": "过多",
+        "file_too_big": "{name} 大于 {limit}，请上传更小的图片。",
+        "empty_question": "请输入问题或添加图片。",
+        "bad_role": "未知角色 {role!r}：每一轮必须是 'user' 或 'assistant'。",
+        "ends_with_user": "对话必须以用户消息结尾。",
+        "too_long": "这段对话需要 {needed} 个 token{images}，超过了 {limit} 个 token 的上限。"
+                    "请清空对话、发送更少或更小的图片，或在“设置”中调低“图片最大 token 数”。",
+        "too_long_model": "这段对话需要 {needed} 个 token{images}，但此模型最多只能处理 {limit} 个。"
+                          "请清空对话、发送更少或更小的图片，或在“设置”中调低“图片最大 token 数”。",
+        "image_share": "（其中 {tokens} 个用于 {count} 张{pictures}）",
+        "picture": "图片", "pictures": "图片",
+    },
+}
+LANGUAGES = tuple(TEXT)
+
+
+def language(accept_language: str | None) -> str:
+    """The language to answer in, from the browser's Accept-Language header: Chinese for zh*, else English."""
+    return "zh-CN" if (accept_language or "").strip().lower().startswith("zh") else "en"
+
+
+def say(lang: str, key: str, **params) -> str:
+    return TEXT[lang][key].format(**params)
+
+
+def image_share(lang: str, tokens: int, count: int) -> str:
+    """ ' (300 of them for 1 image)', or '' for a conversation without images."""
+    if not count:
+        return ""
+    return say(lang, "image_share", tokens=tokens, count=count, pictures=TEXT[lang]["picture" if count == 1 else
+                                                                                   "pictures"])
