@@ -35,17 +35,19 @@ def asking(possible: bool, **box) -> gr.MultimodalTextbox:
     return gr.MultimodalTextbox(interactive=possible, submit_btn=possible, stop_btn=not possible, **box)
 
 
+def examples(lang: str) -> list[dict]:
+    return [{"text": texts.TEXT[lang][key], "files": [str(ASSETS / name)]} for name, key in EXAMPLES]
+
+
 def welcome(lang: str) -> gr.Chatbot:
     """The empty chat in the browser's language: what to do, and the examples as thumbnails with their question."""
-    text = texts.TEXT[lang]
-    examples = [{"text": text[key], "files": [str(ASSETS / name)]} for name, key in EXAMPLES]
-    return gr.Chatbot(placeholder=text["welcome"], examples=examples)
+    return gr.Chatbot(placeholder=texts.TEXT[lang]["welcome"], examples=examples(lang))
 
 
 def draw(i18n: gr.I18n) -> tuple[gr.Chatbot, gr.MultimodalTextbox]:
-    chatbot = gr.Chatbot(label=i18n("conversation"), height="68vh", elem_id="chatbot", buttons=["copy", "copy_all"],
-                         feedback_options=None, placeholder=texts.TEXT["en"]["welcome"],
-                         examples=welcome("en").examples)
+    chatbot = gr.Chatbot(label=i18n("conversation"), show_label=False, height="64vh", elem_id="chatbot",
+                         buttons=["copy", "copy_all"], feedback_options=None, placeholder=texts.TEXT["en"]["welcome"],
+                         examples=examples("en"))
     box = gr.MultimodalTextbox(file_types=["image"], file_count="multiple", placeholder=i18n("placeholder"),
                                show_label=False, elem_id="ask", autofocus=True, submit_btn=True, stop_btn=False)
     return chatbot, box

@@ -14,7 +14,12 @@ I18N = gr.I18n(**texts.TEXT)
 # Uploaded pictures are thumbnails in the history (a click opens them full size); the input box stays at hand.
 CSS = """
 #chatbot .message img { max-height: 10rem; width: auto; object-fit: contain; cursor: zoom-in; }
-#chatbot .placeholder-content img, #chatbot .example img { max-height: 6rem; }
+#chatbot .example-image-container, #chatbot .example-image-container img { width: 6rem; height: 6rem; }
+#chatbot .example-image-container img { object-fit: cover; border-radius: 0.4rem; }
+@media (max-width: 640px) {
+  #chatbot .examples { display: grid; grid-template-columns: 1fr 1fr; gap: 0.5rem; }
+  #chatbot .example-image-container, #chatbot .example-image-container img { width: 3.5rem; height: 3.5rem; }
+}
 """
 
 

@@ -125,3 +125,21 @@ def test_bad_input_gets_a_message_and_the_next_request_works(app):
         Client(app.url, verbose=False).predict([], "", api_name="/ask")
     answer, _ = Client(app.url, verbose=False).predict([], "Hello?", use_cache=False, max_new_tokens=8, api_name="/ask")
     assert answer
+
+
+def test_the_api_names_its_two_endpoints_and_nothing_of_the_page(app):
+    api = Client(app.url, verbose=False).view_api(print_info=False, return_format="dict")
+    assert set(api["named_endpoints"]) == {"/ask", "/new_conversation"} and not api["unnamed_endpoints"]
+    ask = api["named_endpoints"]["/ask"]
+    assert [p["parameter_name"] for p in ask["parameters"]] == [
+        "images", "question", "use_cache", "max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k",
+        "greedy", "seed"]
+    assert [r["label"] for r in ask["returns"]] == ["answer", "status"]
+    new = api["named_endpoints"]["/new_conversation"]
+    assert new["parameters"] == [] and new["returns"] == []
+
+
+def test_the_start_up_log_names_the_apps_own_flags(app):
+    log = app.log.read_text()
+    assert f"qvl is ready: open http://127.0.0.1:{app.port}" in log
+    assert "start with --share" in log and "share=True" not in log

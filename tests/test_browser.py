@@ -1,4 +1,5 @@
 """The page in a real headless Chromium (Debian's, driven by Playwright): what a user clicks, sees and waits for."""
+import os
 import time
 from pathlib import Path
 
@@ -30,8 +31,8 @@ def browser():
         browser.close()
 
 
-def open_page(browser, app, locale="en-US"):
-    page = browser.new_page(viewport={"width": 1280, "height": 1000}, locale=locale)
+def open_page(browser, app, locale="en-US", width=1280):
+    page = browser.new_page(viewport={"width": width, "height": 1000 if width > 640 else 844}, locale=locale)
     page.set_default_timeout(30_000)
     page.goto(app.url)
     page.wait_for_selector("#chatbot")
@@ -57,19 +58,34 @@ def wait_for_growing_answer(page) -> str:
     return answer(page)
 
 
-def test_upload_ask_stream_stop_and_change_threads(browser, app):
+def shoot(page, name: str, **options):
+    """A screenshot in artifacts/; with QVL_UPDATE_SCREENSHOTS=1 also the README's copy in assets/."""
     ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=ARTIFACTS / name, **options)
+    if os.environ.get("QVL_UPDATE_SCREENSHOTS") == "1":
+        page.screenshot(path=ASSETS / name, **options)
+
+
+def stop(page):
+    page.locator("#ask button.stop-button").click()
+    page.wait_for_function("() => [...document.querySelectorAll('#chatbot [data-testid=bot]')].pop()"
+                           ".innerText.trim().endsWith('stopped')")
+    page.wait_for_selector("#ask button.submit-button")  # send is back in place of stop
+
+
+def test_upload_ask_stream_stop_and_change_threads(browser, app):
     page = open_page(browser, app)
     page.locator("#ask input[type=file]").set_input_files(str(ASSETS / "chart.png"))
     page.wait_for_selector('#ask img, #ask [data-testid="thumbnail"]', state="attached")
     send(page, "What does this chart show?")
-    page.wait_for_selector('#chatbot [data-testid="user"] img')  # the image is shown in the history
+    shown = page.wait_for_selector('#chatbot [data-testid="user"] img')  # the image is in the history...
+    assert shown.bounding_box()["height"] <= 10 * 16 + 1  # ...as a thumbnail, not 400 px tall
     wait_for_growing_answer(page)
     assert page.locator("#ask textarea").is_disabled()  # no second question while one is answered
+    assert page.locator("#ask button.stop-button").is_visible()  # send turned into stop
+    assert page.locator("#ask button.submit-button").count() == 0
 
-    page.locator("#stop").click()
-    page.wait_for_function("() => [...document.querySelectorAll('#chatbot [data-testid=bot]')].pop()"
-                           ".innerText.trim().endsWith('stopped')")
+    stop(page)
     stopped = answer(page)
     time.sleep(1)
     assert answer(page) == stopped  # nothing more arrives
@@ -79,25 +95,103 @@ def test_upload_ask_stream_stop_and_change_threads(browser, app):
     send(page, "And the smallest bar?")
     page.wait_for_function("() => document.querySelectorAll('#chatbot [data-testid=bot]').length == 2")
     wait_for_growing_answer(page)
-    page.locator("#stop").click()
-    page.wait_for_function("() => [...document.querySelectorAll('#chatbot [data-testid=bot]')].pop()"
-                           ".innerText.trim().endsWith('stopped')")
-    page.screenshot(path=ARTIFACTS / "chat.png", full_page=True)
+    stop(page)
+    shoot(page, "screenshot-chat.png")
 
     page.get_by_role("tab", name="Settings").click()
+    page.locator("#server").get_by_text("This server", exact=True).click()  # collapsed until asked for
     page.wait_for_selector("#facts >> text=1 intra-op")
+    assert page.locator("#operator-only").is_hidden()  # bound to localhost: whoever is here runs the server
     threads = page.locator('#threads input[data-testid="number-input"]')
     threads.fill("2")
     threads.press("Enter")
     page.wait_for_selector("#facts >> text=2 intra-op")
-    page.screenshot(path=ARTIFACTS / "settings.png", full_page=True)
+    assert page.locator("#facts >> text=Answer cache folder").count() == 1
+    shoot(page, "screenshot-settings.png", full_page=True)
 
 
-def test_the_page_speaks_the_browsers_language(browser, app):
-    page = open_page(browser, app, locale="zh-CN")
-    assert page.locator("#stop").inner_text().strip() == "停止"
+def test_the_empty_chat_offers_examples_and_enter_on_an_empty_box_sends_nothing(browser, app):
+    page = open_page(browser, app)
+    page.wait_for_selector("#chatbot >> text=Ask anything about a picture")
+    examples = page.locator("#chatbot .example")
+    assert examples.count() == 4 and all(examples.nth(i).locator("img").count() == 1 for i in range(4))
+    page.locator("#ask textarea").press("Enter")
+    time.sleep(1)
+    assert page.locator('#chatbot [data-testid="user"], #chatbot [data-testid="bot"]').count() == 0
+
+    examples.filter(has_text="How many red circles").click()
+    page.wait_for_selector('#chatbot [data-testid="user"] img')
+    assert "How many red circles are there?" in page.locator('#chatbot [data-testid="user"]').last.inner_text()
+    wait_for_growing_answer(page)
+    stop(page)
+
+
+def test_regenerate_undo_and_clear_are_the_chats_own_quiet_actions(browser, app):
+    page = open_page(browser, app)
+    send(page, "First try?")
+    first = wait_for_growing_answer(page)
+    assert page.locator("#chatbot button[aria-label=Retry]").is_disabled()  # not while answering
+    stop(page)
+    page.locator("#chatbot button[aria-label=Retry]").click()  # a fresh sample of the same question
+    page.wait_for_function("t => { const b = [...document.querySelectorAll('#chatbot [data-testid=bot]')];"
+                           " return b.length == 1 && b[0].innerText.length > 0 && !t.startsWith(b[0].innerText) }",
+                           arg=first)
+    stop(page)
+    assert page.locator('#chatbot [data-testid="user"]').count() == 1
+    page.locator("#chatbot button[aria-label=Undo]").click()  # the question goes back into the box
+    page.wait_for_function("() => document.querySelector('#ask textarea').value == 'First try?'")
+    assert page.locator('#chatbot [data-testid="user"]').count() == 0
+    send(page, "Second try?")
+    wait_for_growing_answer(page)
+    stop(page)
+    page.locator("#chatbot button[aria-label=Clear]").click()
+    page.wait_for_selector("#chatbot >> text=Ask anything about a picture")
+
+
+def test_the_page_speaks_the_browsers_language(browser, app, tmp_path):
+    page = open_page(browser, app, locale="zh-CN", width=390)
+    page.wait_for_selector("#chatbot >> text=关于图片，尽管问")
+    assert page.locator("#chatbot .example").first.inner_text().strip().startswith("哪种水果卖得最多")
+    shoot(page, "screenshot-phone.png")
+    notes = tmp_path / "notes.png"
+    notes.write_text("Shopping list: milk, bread")
+    page.locator("#ask input[type=file]").set_input_files(str(notes))
+    page.wait_for_selector('#ask [data-testid="thumbnail"], #ask img, #ask .thumbnail-item', state="attached")
+    send(page, "这是什么？")
+    page.wait_for_selector("#chatbot >> text=无法读取 notes.png，它不是本应用能识别的图片")
     page.get_by_role("tab", name="设置").click()
+    page.locator("#server").get_by_text("本服务器", exact=True).click()
     page.wait_for_selector("#facts >> text=算子内")
+
+
+def test_a_visitor_sees_server_settings_read_only_and_an_admin_can_change_them(browser, launch_app):
+    with launch_app("--host", "0.0.0.0", "--auth", "guest:guest-pw,boss:boss-pw", "--admins", "boss",
+                    "--max-new-tokens", "4") as app:
+        login = browser.new_page(viewport={"width": 1280, "height": 800})
+        login.goto(app.url)
+        login.wait_for_selector("text=Chat about images with Qwen3-VL, answered by this server's CPU")
+        shoot(login, "login.png")
+        for user, operator in (("guest", False), ("boss", True)):
+            context = browser.new_context(http_credentials=None, viewport={"width": 1280, "height": 1000})
+            page = context.new_page()
+            page.set_default_timeout(30_000)
+            page.goto(app.url)
+            page.locator("input[type=text]").first.fill(user)
+            page.locator("input[type=password]").fill(f"{user}-pw")
+            page.locator("input[type=password]").press("Enter")
+            page.wait_for_selector("#chatbot")
+            page.get_by_role("tab", name="Settings").click()
+            page.locator("#server").get_by_text("This server", exact=True).click()
+            page.wait_for_selector("#facts >> text=intra-op")
+            slider = page.locator('#threads input[data-testid="number-input"]')
+            assert slider.is_enabled() == operator and page.locator("#clear-cache").is_enabled() == operator
+            assert page.locator("#operator-only").is_visible() != operator
+            assert (page.locator("#facts >> text=Answer cache folder").count() == 1) == operator
+            if operator:
+                page.locator("#clear-cache").click()
+                page.locator("#clear-yes").click()  # asked first: it deletes every visitor's cached answers
+                page.wait_for_selector("#confirm-clear", state="hidden")
+            context.close()
 
 
 def ask_and_wait(page, question: str, answers: int):

@@ -1,7 +1,14 @@
 """Configuration: one typed object from CLI flags, QVL_* env vars and defaults; CPU facts that pick defaults."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from qvl import cpu, settings
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_flag_beats_env_beats_default():
@@ -55,3 +62,45 @@ def test_default_threads_follow_the_cgroup_quota(tmp_path):
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000")
     (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
     assert cpu.available_cores(v1) == 1
+
+
+def run_app(*flags: str):
+    """`python app.py FLAGS` with Python's import log: (exit code, stdout, the modules it imported)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "app.py"), *flags], capture_output=True,
+                          text=True, timeout=60, env={k: v for k, v in os.environ.items() if not k.startswith("QVL_")})
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")}
+    return done.returncode, done.stdout, done.stderr, imported
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_flag_with_its_default_without_loading_torch_or_gradio(flag):
+    code, out, _, imported = run_app(flag)
+    assert code == 0
+    for name in [n for n, _, _ in settings._flags(settings.Settings())]:
+        assert "--" + name.replace("_", "-") in out and "QVL_" + name.upper() in out
+    words = " ".join(out.split())  # argparse wraps the help text
+    assert "5% of the free disk" in words and "[env QVL_MAX_SESSIONS, default 1000]" in words
+    assert not {"torch", "gradio", "transformers"} & imported  # parsed first: answered in a fraction of a second
+
+
+def test_a_bad_flag_is_refused_before_torch_or_gradio_load():
+    code, _, err, imported = run_app("--quant", "fp16")
+    assert code == 2 and "--quant must be one of auto, fp32, bf16, int8, int4 (got 'fp16')" in err
+    assert not {"torch", "gradio", "transformers"} & imported
+
+
+def test_several_auth_users_and_admins_among_them():
+    s = settings.parse(["--auth", "ann:pw:with:colons,bob:pw2", "--admins", "bob"], env={})
+    assert settings.credentials(s.auth) == [("ann", "pw:with:colons"), ("bob", "pw2")] and s.admin_names == ["bob"]
+    with pytest.raises(SystemExit):
+        settings.parse(["--auth", "ann:pw", "--admins", "eve"], env={})  # not an --auth user
+    with pytest.raises(SystemExit):
+        settings.parse(["--admins", "ann"], env={})  # no --auth: nobody could prove they are ann
+    with pytest.raises(SystemExit):
+        settings.parse(["--auth", "ann"], env={})
+
+
+def test_only_a_localhost_server_without_share_is_private():
+    assert settings.parse([], env={}).private
+    assert not settings.parse(["--share"], env={}).private
+    assert not settings.parse(["--host", "0.0.0.0"], env={}).private
