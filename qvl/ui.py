@@ -16,11 +16,32 @@ CSS = """
 #chatbot .message img { max-height: 10rem; width: auto; object-fit: contain; cursor: zoom-in; }
 #chatbot .example-image-container, #chatbot .example-image-container img { width: 6rem; height: 6rem; }
 #chatbot .example-image-container img { object-fit: cover; border-radius: 0.4rem; }
+#qvl-full { position: fixed; inset: 0; z-index: 1000; display: flex; align-items: center; justify-content: center;
+            background: rgba(0, 0, 0, 0.85); cursor: zoom-out; }
+#qvl-full img { max-width: 95vw; max-height: 95vh; object-fit: contain; }
 @media (max-width: 640px) {
   #chatbot .examples { display: grid; grid-template-columns: 1fr 1fr; gap: 0.5rem; }
   #chatbot .example-image-container, #chatbot .example-image-container img { width: 3.5rem; height: 3.5rem; }
 }
 """
+
+# Gradio's chatbot has no full-size view of a picture in the history: a click on a thumbnail opens one, any click or
+# Escape closes it.
+HEAD = """<script>
+document.addEventListener("click", (event) => {
+  const shown = document.getElementById("qvl-full");
+  if (shown) { shown.remove(); return; }
+  const thumbnail = event.target.closest("#chatbot .message img");
+  if (!thumbnail) return;
+  const view = document.createElement("div");
+  view.id = "qvl-full";
+  view.append(Object.assign(document.createElement("img"), {src: thumbnail.src, alt: thumbnail.alt}));
+  document.body.append(view);
+});
+document.addEventListener("keydown", (event) => {
+  if (event.key === "Escape") document.getElementById("qvl-full")?.remove();
+});
+</script>"""
 
 
 def login_message() -> str:
@@ -40,8 +61,8 @@ def upload_ceiling(settings) -> int:
 
 
 def page_assets() -> dict:
-    """launch() arguments that dress the page: its CSS and translations, and the example pictures it may serve."""
-    return {"css": CSS, "i18n": I18N, "allowed_paths": [str(ASSETS)]}
+    """launch() arguments that dress the page: its CSS, script and translations, and the example pictures it serves."""
+    return {"css": CSS, "head": HEAD, "i18n": I18N, "allowed_paths": [str(ASSETS)]}
 
 
 def build(engine, cache, settings) -> gr.Blocks:

@@ -80,6 +80,11 @@ def test_upload_ask_stream_stop_and_change_threads(browser, app):
     send(page, "What does this chart show?")
     shown = page.wait_for_selector('#chatbot [data-testid="user"] img')  # the image is in the history...
     assert shown.bounding_box()["height"] <= 10 * 16 + 1  # ...as a thumbnail, not 400 px tall
+    shown.click()  # which opens full size
+    full = page.wait_for_selector("#qvl-full img")
+    assert full.bounding_box()["height"] > shown.bounding_box()["height"]
+    page.keyboard.press("Escape")
+    page.wait_for_selector("#qvl-full", state="detached")
     wait_for_growing_answer(page)
     assert page.locator("#ask textarea").is_disabled()  # no second question while one is answered
     assert page.locator("#ask button.stop-button").is_visible()  # send turned into stop
