@@ -61,7 +61,8 @@ def refusal(app, question: str, files=(), lang: str = "en-US", **params) -> str:
     """The message the API user sees for a request that must not be answered; then the next request is answered."""
     before = entries(app)
     with pytest.raises(AppError) as refused:
-        client(app, lang).predict([handle_file(str(f)) for f in files], question, use_cache=True, api_name="/ask", **params)
+        client(app, lang).predict([handle_file(str(f)) for f in files], question, use_cache=True, api_name="/ask",
+                                  **params)
     still_answers(app)
     assert entries(app) == before  # the failed request left nothing in the cache
     return str(refused.value)
