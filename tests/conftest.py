@@ -13,8 +13,10 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_dir):
-    return Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache"], env={}))
+def engine(tiny_dir, tmp_path_factory):
+    cache_dir = str(tmp_path_factory.mktemp("engine-cache"))  # its image-feature store, not the user's
+    return Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache", "--cache-dir", cache_dir],
+                                 env={}))
 
 
 @pytest.fixture(scope="session")
