@@ -125,7 +125,7 @@ class Store:
             self._evict(self.limit - size)
 
     def keep(self, kept: tuple, cache: DynamicCache) -> None:
-        """Keep cache, whose positions hold kept; entries it contains whole are dropped, as it answers all they could."""
+        """Keep cache, whose positions hold kept; entries it contains whole are dropped: it answers all they could."""
         size = nbytes(cache)
         with self._lock:
             for key in [k for k, e in self._entries.items() if e.content == kept[:len(e.content)]]:

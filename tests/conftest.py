@@ -20,6 +20,20 @@ def engine(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def cold(tiny_dir):
+    """The tiny model with conversation memory and the image-feature store off: every request computed in full."""
+    return Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--kv-memory", "0",
+                                  "--feature-cache-size", "0"], env={}))
+
+
+@pytest.fixture
+def make_engine(tiny_dir, tmp_path):
+    """make_engine(*flags): a fresh tiny engine, reuse on unless flags say otherwise, its cache folder in tmp_path."""
+    return lambda *flags: Engine(settings.parse(
+        ["--model", str(tiny_dir), "--quant", "fp32", "--cache-dir", str(tmp_path / "cache"), *flags], env={}))
+
+
+@pytest.fixture(scope="session")
 def launch_app(tiny_dir, tmp_path_factory):
     """Start `python app.py` on the tiny model: `with launch_app("--queue-size", "2") as app: Client(app.url)`.
 

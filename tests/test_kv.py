@@ -9,20 +9,16 @@ from unittest import mock
 
 import pytest
 import torch
-from PIL import Image
+from gradio_client import Client, handle_file
 from transformers import DynamicCache
 
 from qvl import generate, kv, settings
-from qvl.engine import Engine, Stats, Turn
+from qvl.engine import Stats, Turn
+from test_engine import picture
+from test_robustness import inproc  # noqa: F401 (the app in this process, serving the session's engine)
 
 GREEDY = settings.GenParams(greedy=True, max_new_tokens=12)
 TOL = 1e-4
-
-
-def picture(w=320, h=240, color=(200, 30, 30)):
-    image = Image.new("RGB", (w, h), color)
-    image.paste((20, 20, 220), (w // 4, h // 4, w // 2, h // 2))
-    return image
 
 
 @dataclass
@@ -62,60 +58,46 @@ def assert_same_answer(warm: Answer, cold: Answer):
     assert warm.ids == cold.ids and warm.text == cold.text
 
 
-@pytest.fixture(scope="module")
-def cold(tiny_dir):
-    return Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--kv-memory", "0",
-                                  "--feature-cache-size", "0"], env={}))
-
-
-@pytest.fixture
-def make(tiny_dir, tmp_path):
-    """A fresh engine with reuse on (the default) and the feature store in its own folder."""
-    return lambda *flags: Engine(settings.parse(
-        ["--model", str(tiny_dir), "--quant", "fp32", "--cache-dir", str(tmp_path / "cache"), *flags], env={}))
-
-
-@pytest.fixture
-def warm(make):
-    return make()
-
-
-@pytest.fixture
-def tower(warm):
-    """The images each call of warm's vision tower encodes (one list per call)."""
+def tower(engine) -> list:
+    """From now on, the image grids of each call of engine's vision tower, one list per call."""
     calls = []
-    hook = warm.model.model.visual.register_forward_pre_hook(
+    engine.model.model.visual.register_forward_pre_hook(
         lambda _, args, kw: calls.append(kw["grid_thw"].tolist()), with_kwargs=True)
-    yield calls
-    hook.remove()
+    return calls
 
 
-def test_a_text_follow_up_prefills_only_the_new_question(warm, cold, tower):
+@pytest.fixture
+def warm(make_engine):
+    return make_engine()
+
+
+def test_a_text_follow_up_prefills_only_the_new_question(warm, cold):
     first = [Turn("user", "What is in this picture?", (picture(),))]
     answer = ask(warm, first)
     follow_up = [*first, Turn("assistant", answer.text), Turn("user", "Why?")]
-    tower.clear()
+    calls = tower(warm)
     again = ask(warm, follow_up)
-    assert again.stats.reused_tokens >= answer.stats.prompt_tokens and tower == []
+    assert again.stats.reused_tokens >= answer.stats.prompt_tokens and calls == []
     assert_same_answer(again, ask(cold, follow_up))
 
 
-def test_a_follow_up_with_a_new_image_encodes_only_that_image(warm, cold, tower):
+def test_a_follow_up_with_a_new_image_encodes_only_that_image(warm, cold):
     first = [Turn("user", "Describe this.", (picture(),))]
     answer = ask(warm, first)
-    follow_up = [*first, Turn("assistant", answer.text), Turn("user", "And this one?", (picture(96, 160, (0, 128, 0)),))]
-    tower.clear()
+    new_image = picture(96, 160, (0, 128, 0))
+    follow_up = [*first, Turn("assistant", answer.text), Turn("user", "And this one?", (new_image,))]
+    calls = tower(warm)
     again = ask(warm, follow_up)
-    assert again.stats.reused_tokens >= answer.stats.prompt_tokens and len(tower) == 1 and len(tower[0]) == 1
+    assert again.stats.reused_tokens >= answer.stats.prompt_tokens and len(calls) == 1 and len(calls[0]) == 1
     assert_same_answer(again, ask(cold, follow_up))
 
 
-def test_regenerate_prefills_only_the_last_prompt_token(warm, cold, tower):
+def test_regenerate_prefills_only_the_last_prompt_token(warm, cold):
     turns = [Turn("user", "What colour is it?", (picture(),))]
     ask(warm, turns)
-    tower.clear()
+    calls = tower(warm)
     again = ask(warm, turns)
-    assert again.stats.reused_tokens == again.stats.prompt_tokens - 1 and tower == []
+    assert again.stats.reused_tokens == again.stats.prompt_tokens - 1 and calls == []
     assert_same_answer(again, ask(cold, turns))
 
 
@@ -154,21 +136,21 @@ def test_two_users_interleaving_get_their_own_positions(warm, cold):
     assert_same_answer(b2, ask(cold, bob))
 
 
-def test_many_visitors_of_one_example_image_share_its_prefix(warm, cold, tower):
+def test_many_visitors_of_one_example_image_share_its_prefix(warm, cold):
     example = picture(320, 240, (250, 200, 0))
     ask(warm, [Turn("user", "What is this?", (example,))])
-    tower.clear()
+    calls = tower(warm)
     for question in ("Which colours are there?", "Is there text?", "Describe it."):
         turns = [Turn("user", question, (example,))]
         visit = ask(warm, turns)
         assert visit.stats.reused_tokens >= visit.stats.image_tokens
         assert_same_answer(visit, ask(cold, turns))
-    assert tower == []
+    assert calls == []
 
 
-def test_under_eviction_pressure_the_bound_holds_and_reuse_stays_exact(make, cold):
+def test_under_eviction_pressure_the_bound_holds_and_reuse_stays_exact(make_engine, cold):
     conversation_bytes = kv.per_token_bytes(cold.model) * 140  # a 112-token prompt and its answer
-    warm = make("--kv-memory", str(int(2.5 * conversation_bytes)))
+    warm = make_engine("--kv-memory", str(int(2.5 * conversation_bytes)))
     users = [[Turn("user", "What is this?", (picture(320, 240, (i * 60, 30, 30)),))] for i in range(4)]
     answers = []
     for turns in users:
@@ -187,8 +169,8 @@ def test_under_eviction_pressure_the_bound_holds_and_reuse_stays_exact(make, col
     assert_same_answer(evicted, ask(cold, first))
 
 
-def test_a_conversation_larger_than_the_bound_is_answered_and_not_kept(make, cold):
-    warm = make("--kv-memory", "10KB")
+def test_a_conversation_larger_than_the_bound_is_answered_and_not_kept(make_engine, cold):
+    warm = make_engine("--kv-memory", "10KB")
     turns = [Turn("user", "What is this?", (picture(),))]
     for _ in range(2):
         answer = ask(warm, turns)
@@ -196,11 +178,23 @@ def test_a_conversation_larger_than_the_bound_is_answered_and_not_kept(make, col
     assert_same_answer(answer, ask(cold, turns))
 
 
-def test_kv_memory_0_keeps_nothing(make):
-    engine = make("--kv-memory", "0")
+def test_kv_memory_0_keeps_nothing(make_engine):
+    engine = make_engine("--kv-memory", "0")
     turns = [Turn("user", "What is this?", (picture(),))]
     assert ask(engine, turns).stats.reused_tokens == ask(engine, turns).stats.reused_tokens == 0
     assert engine.kv is None and engine.memory_info()["conversations"] is None
+
+
+def test_the_ask_api_reuses_its_clients_conversation(inproc, cold, tmp_path):
+    picture().save(tmp_path / "picture.png")
+    client, options = Client(inproc.url, verbose=False), dict(use_cache=False, greedy=True, max_new_tokens=12)
+    first, _ = client.predict([handle_file(str(tmp_path / "picture.png"))], "What is this?", **options, api_name="/ask")
+    before = inproc.engine.memory_info()["conversations"]["reused_tokens"]
+    second, _ = client.predict([], "And then?", **options, api_name="/ask")
+    turns = [Turn("user", "What is this?", (picture(),)), Turn("assistant", first), Turn("user", "And then?")]
+    expected = ask(cold, turns)
+    assert inproc.engine.memory_info()["conversations"]["reused_tokens"] - before >= expected.stats.image_tokens
+    assert second == expected.text
 
 
 def test_a_prefix_never_ends_inside_an_image():
