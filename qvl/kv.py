@@ -101,8 +101,7 @@ class Store:
             best, n = None, 0
             for key, entry in self._entries.items():  # ties go to the most recently used, which comes later
                 length = min(common_prefix(entry.content, request), len(request) - 1)
-                while 0 < length < len(request) and isinstance(request[length - 1], str) \
-                        and request[length] == request[length - 1]:
+                while length and isinstance(request[length - 1], str) and request[length] == request[length - 1]:
                     length -= 1  # back to the start of the image it would split
                 if length and length >= n:
                     best, n = key, length
