@@ -1,6 +1,7 @@
 """Chat about images with Qwen3-VL on a CPU: `python app.py` (flags: `python app.py --help`, or QVL_* env vars)."""
 import logging
 import signal
+import threading
 
 from qvl import heap, settings  # light: --help and a flag error answer before torch and gradio load (seconds)
 
@@ -32,6 +33,8 @@ def main():
         max_file_size=ui.upload_ceiling(config), state_session_capacity=config.max_sessions, quiet=True,
         prevent_thread_lock=True, **ui.page_assets(),
     )
+    # The page serves at once and says it is warming up; questions asked meanwhile wait in line for the engine.
+    threading.Thread(target=engine.warm_up, args=ui.warm_up_request(), name="warm-up", daemon=True).start()
     log.info("qvl is ready: open %s in a browser", demo.local_url)
     if demo.share_url:
         log.info("public link (valid for a week, while this process runs): %s", demo.share_url)

@@ -120,6 +120,10 @@ def stats_line(lang: str, update: Update) -> str:
         return texts.say(lang, "from_cache", elapsed=update.cached_in, total=s["total_s"])
     parts = [texts.say(lang, "stats", ttft=s["ttft_s"], tps=s["decode_tok_s"], image_tokens=s["image_tokens"],
                        total=s["total_s"])]
+    if s.get("reused_tokens"):
+        parts.append(texts.say(lang, "reused", tokens=s["reused_tokens"], prompt=s["prompt_tokens"]))
+    if s.get("cached_images"):
+        parts.append(texts.say(lang, "features_cached", count=s["cached_images"]))
     if s.get("truncated"):
         parts.append(texts.say(lang, "truncated"))
     return " · ".join(parts)

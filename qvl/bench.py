@@ -1,15 +1,21 @@
 """The speed ladder: each configuration answers the standard request through the real Engine, in a fresh process.
 
     python -m qvl.bench --random-weights [--rows fp32,int4,auto] [--runs 3] [--json FILE]
+    python -m qvl.bench --random-weights --rows auto --scenarios follow-up,seen-image,regenerate
     python -m qvl.bench --model /path/to/Qwen3-VL-2B-Instruct
 
 Standard request: one 640x480 photo-like image (300 image tokens), a one-sentence question, 64 new tokens forced
 (greedy, min_new_tokens = max_new_tokens = 64), one warm-up, then --runs timed runs (medians reported). Fidelity is
 measured teacher-forced over the fp32 row's answer, so the `fp32` row must run first for the other rows to get it.
 Random weights give near-uniform logits: their top-1 agreement says little, and real-weight quality is only
-measured when real weights are given with --model.
+measured when real weights are given with --model. Each timed run starts with nothing kept (Engine.forget), as a
+first visit does.
+
+Scenarios measure conversation memory: each request's time to first token after its set-up (the standard request
+and its answer), then the same request cold, with everything kept forgotten, in the same process.
 """
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -34,6 +40,9 @@ CONFIG = Path(__file__).with_name("qwen3-vl-2b-instruct.config.json")
 RANDOM_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "random-2b-v1"
 QUESTION = "What is in this photo? Describe the main objects, their colours and where they are."
 NEW_TOKENS = 64
+FOLLOW_UP = "What is on top?"  # 15 tokens with the random-weight checkpoint's byte tokenizer
+SEEN_IMAGE = "Which colours are in this picture?"
+SCENARIOS = ("follow-up", "seen-image", "regenerate")
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
@@ -144,10 +153,29 @@ def teacher_forced_logits(engine, inputs: dict, answer: list[int]) -> torch.Tens
         return engine.model(**forced, logits_to_keep=len(answer)).logits[0].float()
 
 
+def scenarios(engine, names, params) -> list[dict]:
+    """Each named scenario's request timed after its set-up, then cold; only the first tokens are generated."""
+    first = Turn("user", QUESTION, (photo(),))
+    short = dataclasses.replace(params, max_new_tokens=4, min_new_tokens=4)
+    out = []
+    for name in names:
+        engine.forget()
+        *pieces, _ = engine.chat([first], params)
+        turns = {"follow-up": [first, Turn("assistant", "".join(pieces)), Turn("user", FOLLOW_UP)],
+                 "seen-image": [Turn("user", SEEN_IMAGE, (photo(),))], "regenerate": [first]}[name]
+        warm = list(engine.chat(turns, short))[-1]
+        engine.forget()
+        cold = list(engine.chat(turns, short))[-1]
+        out.append({"name": name, "ttft_s": warm.ttft_s, "cold_ttft_s": cold.ttft_s,
+                    "reused_tokens": warm.reused_tokens, "cached_images": warm.cached_images})
+    return out
+
+
 def child(args):
     """One row: load through the Engine, warm up, time --runs answers, then measure fidelity against fp32's."""
     start = time.perf_counter()
-    argv = ["--model", args.model, "--quant", args.quant, "--no-cache", "--require-model"]
+    features = tempfile.mkdtemp()  # the image-feature store starts empty, and the user's is left alone
+    argv = ["--model", args.model, "--quant", args.quant, "--no-cache", "--require-model", "--cache-dir", features]
     engine = Engine(settings.parse(argv, env={k: v for k, v in os.environ.items() if k == "QVL_THREADS"}))
     if args.child.endswith("+compile"):  # the language model only: the vision tower runs once per image
         engine.model.model.language_model.compile(dynamic=True)
@@ -155,10 +183,12 @@ def child(args):
     turn = Turn("user", QUESTION, (photo(),))
     runs = []
     for i in range(args.runs + 1):
+        engine.forget()
         runs.append(list(engine.chat([turn], params))[-1])
         if i == 0:
             load_s = time.perf_counter() - start  # ready means warmed up: first-call costs belong to loading
     runs = runs[1:]
+    memory = scenarios(engine, args.scenarios.split(","), params) if args.scenarios else None
     # What serving costs: taken before the fidelity pass, whose full-vocabulary logits are the bench's own load.
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     inputs, image_tokens = engine._inputs([turn], params)
@@ -172,20 +202,23 @@ def child(args):
         "decode_tok_s": statistics.median(s.decode_tok_s for s in runs),
         "e2e_s": statistics.median(s.total_s for s in runs),
         "image_tokens": image_tokens, "prompt_tokens": runs[0].prompt_tokens, "new_tokens": runs[0].new_tokens,
-        "decode_gb": decode_bytes(engine.model) / 1e9,
+        "decode_gb": decode_bytes(engine.model) / 1e9, "kv_memory_gb": engine.kv.limit / 1e9 if engine.kv else 0,
     }
+    if memory:
+        row["scenarios"] = memory
     if reference.exists():
         ref = torch.load(reference)
         row.update(fidelity(teacher_forced_logits(engine, inputs, ref["ids"]), ref["logits"]))
     row["peak_rss_gb"] = peak_rss_gb
     Path(args.out).write_text(json.dumps(row))
+    shutil.rmtree(features, ignore_errors=True)
 
 
-def run_row(name: str, model: str, runs: int, reference: Path) -> dict:
+def run_row(name: str, model: str, runs: int, reference: Path, memory: str) -> dict:
     mode, env, prefix = ROWS[name]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [*prefix, sys.executable, "-m", "qvl.bench", "--child", name, "--quant", mode, "--model", model,
-                   "--runs", str(runs), "--reference", str(reference), "--out", out.name]
+                   "--runs", str(runs), "--reference", str(reference), "--out", out.name, "--scenarios", memory]
         subprocess.run(command, check=True, env={**os.environ, **env})
         return json.loads(Path(out.name).read_text())
 
@@ -210,6 +243,13 @@ def table(rows: list[dict]) -> str:
 
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(r, k) for k in COLUMNS) + " |" for r in rows]
+    memory = [(r["name"], s) for r in rows for s in r.get("scenarios", [])]
+    if memory:
+        lines += ["", "| row | scenario | ttft_s | cold_ttft_s | ratio | reused_tokens | cached_images |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {row} | {s['name']} | {s['ttft_s']:.3g} | {s['cold_ttft_s']:.3g} | "
+                  f"{s['ttft_s'] / s['cold_ttft_s']:.3f}x | {s['reused_tokens']} | {s['cached_images']} |"
+                  for row, s in memory]
     return "\n".join(lines)
 
 
@@ -220,6 +260,8 @@ def main(argv=None):
     parser.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma-separated subset of {', '.join(ROWS)}")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per row, after one warm-up")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--scenarios", default="", help=f"comma-separated subset of {', '.join(SCENARIOS)}: "
+                        "conversation memory, each request against itself cold")
     for hidden in ("--child", "--quant", "--reference", "--out"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -232,13 +274,15 @@ def main(argv=None):
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    if unknown := [n for n in args.scenarios.split(",") if n and n not in SCENARIOS]:
+        parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
     machine = {"cpu": cpu.describe(), "torch": torch.__version__, "bandwidth_gb_s": bandwidth_gb_s(),
                "model": "random-weights Qwen3-VL-2B" if args.random_weights else model, "runs": args.runs}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             try:
-                row = run_row(name, model, args.runs, Path(tmp) / "fp32-reference.pt")
+                row = run_row(name, model, args.runs, Path(tmp) / "fp32-reference.pt", args.scenarios)
             except subprocess.CalledProcessError as e:  # one failed configuration must not lose the others
                 print(f"{name}: failed with exit code {e.returncode}", file=sys.stderr, flush=True)
                 continue

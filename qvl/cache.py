@@ -84,12 +84,16 @@ def auto_size(directory: str) -> int:
         return 2 << 30
 
 
-class AnswerCache:
-    def __init__(self, directory: str, size_limit: int | str = "auto", enabled: bool = True):
+class DiskStore:
+    """A size-bounded diskcache folder that never breaks its caller: when it cannot be used (unwritable, corrupted,
+    deleted and not recreatable) one warning is logged, reads miss and writes are dropped, and error says why;
+    clear() tries it again. A folder deleted or replaced while open is started afresh."""
+
+    def __init__(self, directory: str, size_limit: int | str = "auto", enabled: bool = True, what: str = "cache"):
         self.directory = os.path.abspath(os.path.expanduser(directory))
         self.size_limit = auto_size(self.directory) if size_limit == "auto" else parse_size(size_limit)
         self.enabled = enabled  # switched live from the Settings tab
-        self.hits = self.misses = 0  # since this process started
+        self.what = what  # names the store in warnings
         self.error: str | None = None
         self._cache: diskcache.Cache | None = None
         self._db_id = None
@@ -97,55 +101,41 @@ class AnswerCache:
         if enabled:
             self._live()  # a broken directory is reported at start-up, not at the first question
 
-    def key(self, turns, params, model_identity: str) -> str:
-        """The answer's key. Decodes every image, so an unreadable one raises images.ImageError, like the engine."""
-        conversation = [
-            {"role": t.role, "text": t.text, "images": [_pixels(images.load(s)) for s in t.images]} for t in turns
-        ]
-        canonical = json.dumps(
-            {"model": model_identity, "params": dataclasses.asdict(params), "turns": conversation},
-            sort_keys=True, ensure_ascii=False,
-        )
-        return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()  # JSON can carry lone surrogates
-
-    def get(self, key: str) -> Hit | None:
+    def read(self, key: str):
+        """The stored value, or None: absent, unreadable, or the store unusable."""
         cache = self._live()
         if cache is None:
             return None
         try:
-            value = cache.get(key)
-        except diskcache.Timeout:  # another process holds the lock for long: a miss, not a broken cache
-            value = None
+            return cache.get(key)
+        except diskcache.Timeout:  # another process holds the lock for long: a miss, not a broken store
+            return None
         except Exception as e:
             self._fail(e)
             return None
-        try:
-            record = json.loads(value)
-            hit = Hit(text=record["text"], stats=dict(record["stats"]), created=float(record["created"]))
-        except (TypeError, ValueError, KeyError):  # absent, or an entry this code did not write
-            hit = None
-        with self._lock:
-            self.hits, self.misses = self.hits + (hit is not None), self.misses + (hit is None)
-        return hit
 
-    def put(self, key: str, text: str, stats) -> bool:
-        """Store a complete answer; a stopped or empty one is refused (False), as is any write when unusable."""
-        if stats.stopped or not text.strip():
-            return False
+    def write(self, key: str, value) -> bool:
         cache = self._live()
         if cache is None:
             return False
-        record = {"text": text, "stats": dataclasses.asdict(stats), "created": time.time()}
         try:
-            return cache.set(key, json.dumps(record))  # ASCII escapes: even a lone surrogate stores and reads back
+            return cache.set(key, value)
         except diskcache.Timeout:
             return False
         except Exception as e:
             self._fail(e)
             return False
 
+    def delete(self, key: str) -> None:
+        cache = self._live()
+        if cache is not None:
+            try:
+                cache.delete(key)
+            except Exception as e:
+                self._fail(e)
+
     def clear(self) -> None:
-        """Empty the cache; after a fault, try the directory again first."""
+        """Empty the store; after a fault, try the directory again first."""
         self.error = None
         cache = self._live()
         if cache is not None:
@@ -153,21 +143,16 @@ class AnswerCache:
                 cache.clear()
             except Exception as e:
                 self._fail(e)
-        with self._lock:
-            self.hits = self.misses = 0
 
-    def info(self) -> dict:
+    def volume(self) -> tuple[int, int]:
+        """(entries, bytes) on disk."""
         cache = self._live()
-        entries = size = 0
         if cache is not None:
             try:
-                entries, size = len(cache), cache.volume()
+                return len(cache), cache.volume()
             except Exception as e:
                 self._fail(e)
-        return {
-            "enabled": self.enabled, "entries": entries, "size_bytes": size, "hits": self.hits,
-            "misses": self.misses, "directory": self.directory, "error": self.error,
-        }
+        return 0, 0
 
     def _live(self) -> diskcache.Cache | None:
         """The open cache, reopened when its directory was deleted or replaced; None when off or unusable."""
@@ -178,17 +163,17 @@ class AnswerCache:
             if self._cache is not None and _file_id(db) == self._db_id:
                 return self._cache
             replaced = self._cache is not None
-            if replaced:  # SQLite would go on writing into the deleted file, and every answer would be lost
+            if replaced:  # SQLite would go on writing into the deleted file, and every write would be lost
                 self._cache.close()
             try:
                 self._cache = diskcache.Cache(  # timeout: wait for another process's write 2 s, then miss
                     self.directory, timeout=2, disk=_NoPickleDisk, size_limit=self.size_limit,
                     eviction_policy="least-recently-used",
-                    cull_limit=1,  # evict one least-recently-used answer per write, not a batch of ten
+                    cull_limit=1,  # evict one least-recently-used entry per write, not a batch of ten
                 )
                 self._db_id = _file_id(db)
                 if replaced:
-                    log.warning("answer cache %s was deleted or replaced; started a new one there", self.directory)
+                    log.warning("%s %s was deleted or replaced; started a new one there", self.what, self.directory)
             except Exception as e:
                 self._cache = None
                 self._fail_locked(e)
@@ -203,8 +188,8 @@ class AnswerCache:
             return
         self.error = f"{type(error).__name__}: {error}"
         log.warning(
-            "answer cache %s is unusable (%s); answering without it. Delete or fix the folder, or choose another "
-            "with --cache-dir, then press Clear in Settings to retry.", self.directory, self.error,
+            "%s %s is unusable (%s); answering without it. Delete or fix the folder, or choose another "
+            "with --cache-dir, then press Clear in Settings to retry.", self.what, self.directory, self.error,
         )
         if self._cache is not None:
             try:
@@ -212,6 +197,55 @@ class AnswerCache:
             except Exception:  # closing a broken database can fail too; it is dropped either way
                 pass
             self._cache = None
+
+
+class AnswerCache(DiskStore):
+    def __init__(self, directory: str, size_limit: int | str = "auto", enabled: bool = True):
+        self.hits = self.misses = 0  # since this process started
+        super().__init__(directory, size_limit, enabled, what="answer cache")
+
+    def key(self, turns, params, model_identity: str) -> str:
+        """The answer's key. Decodes every image, so an unreadable one raises images.ImageError, like the engine."""
+        conversation = [
+            {"role": t.role, "text": t.text, "images": [_pixels(images.load(s)) for s in t.images]} for t in turns
+        ]
+        canonical = json.dumps(
+            {"model": model_identity, "params": dataclasses.asdict(params), "turns": conversation},
+            sort_keys=True, ensure_ascii=False,
+        )
+        return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()  # JSON can carry lone surrogates
+
+    def get(self, key: str) -> Hit | None:
+        if self._live() is None:
+            return None
+        value = self.read(key)
+        try:
+            record = json.loads(value)
+            hit = Hit(text=record["text"], stats=dict(record["stats"]), created=float(record["created"]))
+        except (TypeError, ValueError, KeyError):  # absent, or an entry this code did not write
+            hit = None
+        with self._lock:
+            self.hits, self.misses = self.hits + (hit is not None), self.misses + (hit is None)
+        return hit
+
+    def put(self, key: str, text: str, stats) -> bool:
+        """Store a complete answer; a stopped or empty one is refused (False), as is any write when unusable."""
+        if stats.stopped or not text.strip():
+            return False
+        record = {"text": text, "stats": dataclasses.asdict(stats), "created": time.time()}
+        return self.write(key, json.dumps(record))  # ASCII escapes: even a lone surrogate stores and reads back
+
+    def clear(self) -> None:
+        super().clear()
+        with self._lock:
+            self.hits = self.misses = 0
+
+    def info(self) -> dict:
+        entries, size = self.volume()
+        return {
+            "enabled": self.enabled, "entries": entries, "size_bytes": size, "hits": self.hits,
+            "misses": self.misses, "directory": self.directory, "error": self.error,
+        }
 
 
 def bench(repeats: int = 20, image: str = "assets/chart.png", question: str = "What does this chart show?"):

@@ -11,9 +11,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import Qwen3VLProcessor
+from transformers import DynamicCache, Qwen3VLProcessor
+from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-from qvl import generate, heap, images, quant, texts, tiny
+from qvl import features, generate, heap, images, kv, quant, texts, tiny
+from qvl.cache import parse_size
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
 
@@ -86,10 +88,16 @@ class Stats:
     total_s: float
     stopped: bool  # ended by stop(), not by the model or the token cap
     truncated: bool = False  # ended by the max-new-tokens cap
+    reused_tokens: int = 0  # prompt tokens whose KV came from a kept conversation, not prefilled
+    cached_images: int = 0  # images whose vision features came from the feature store, not the vision tower
 
 
 class Engine:
-    """Qwen3-VL loaded once; attributes model_id, folder, precision, identity, max_context describe it."""
+    """Qwen3-VL loaded once; attributes model_id, folder, precision, identity, max_context describe it.
+
+    ready is set once warm_up() has run (the app says it is warming up until then); kept conversations (kv) and
+    the image-feature store (features) are None when switched off.
+    """
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -103,6 +111,7 @@ class Engine:
         self.set_threads(self.settings.threads)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.ready = threading.Event()
         try:
             self._load(self.settings.model)
         except Exception as e:  # hub unreachable, folder missing, wrong checkpoint: all end in the same fallback
@@ -118,6 +127,11 @@ class Engine:
             if not (TINY_DIR / "model.safetensors").exists():
                 tiny.build(TINY_DIR)
             self._load(str(TINY_DIR))
+        limit = kv.parse_limit(self.settings.kv_memory)
+        self.kv = kv.Store(limit) if limit else None
+        size = self.settings.feature_cache_size
+        on = size == "auto" or parse_size(size) > 0
+        self.features = features.FeatureStore(os.path.join(self.settings.cache_dir, "features"), size) if on else None
 
     def _load(self, source: str):
         self.folder = _local_copy(source)
@@ -142,6 +156,34 @@ class Engine:
         """Stop the running generation within one decode step."""
         self._stop.set()
 
+    def memory_info(self) -> dict:
+        """What is kept for reuse: "conversations" (kv.Store.info) and "features" (FeatureStore.info), None if off."""
+        return {"conversations": self.kv and self.kv.info(), "features": self.features and self.features.info()}
+
+    def forget(self):
+        """Drop every kept conversation and image feature (memory and disk); after a feature-store fault, retry it."""
+        with self._lock:
+            if self.kv is not None:
+                self.kv.clear()
+            if self.features is not None:
+                self.features.clear()
+
+    def warm_up(self, pictures: list, question: str):
+        """Encode pictures into the feature store and answer one short question about the first, so that the first
+        visitor pays no lazy initialisation; then set ready, even if warming up failed. Requests meanwhile wait."""
+        try:
+            params = replace(self.settings.gen, max_new_tokens=2, min_new_tokens=0, greedy=True)
+            if pictures and self.features is not None:
+                inputs, _ = self._inputs([Turn("user", question, tuple(pictures))], params)
+                with self._lock, torch.inference_mode():
+                    self._image_features(inputs, self._images(inputs), 0)
+            for _ in self.chat([Turn("user", question, tuple(pictures[:1]))], params):
+                pass
+        except Exception:
+            log.exception("warming up failed; the first request will pay for it")
+        finally:
+            self.ready.set()
+
     def chat(self, turns: list[Turn], params: GenParams | None = None) -> Iterator[str | Stats]:
         """Answer the conversation: yield text pieces as they are generated, then one Stats.
 
@@ -157,14 +199,25 @@ class Engine:
         params = params if params.max_new_tokens <= budget else replace(params, max_new_tokens=budget)
         with self._lock:
             self._stop.clear()
-            ids, sent, first = [], "", None
-            for token in generate.stream(self.model, inputs, params, self._stop):
-                first = first or time.perf_counter()
-                ids.append(token)
-                text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
-                if not text.endswith("\ufffd"):  # hold back a half-decoded UTF-8 character
-                    yield text[len(sent):]
-                    sent = text
+            prefill, prompt, reused, cached = self._prefill(inputs, params.max_new_tokens)
+            ids, sent, first, failed = [], "", None, False
+            try:
+                for token in generate.stream(self.model, prefill, params, self._stop):
+                    first = first or time.perf_counter()
+                    ids.append(token)
+                    text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
+                    if not text.endswith("\ufffd"):  # hold back a half-decoded UTF-8 character
+                        yield text[len(sent):]
+                        sent = text
+            except Exception:
+                failed = True  # a cache a failed step may have half-updated is not kept
+                raise
+            finally:
+                if self.kv is not None and not failed:
+                    # What the cache holds: the prompt and the answer tokens fed back (not the last one, nor one
+                    # left unfed by a client that went away); stopped answers too, for a follow-up to reuse.
+                    cache = prefill["cache"]
+                    self.kv.keep((prompt + tuple(ids))[:cache.get_seq_length()], cache)
             text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
             if text != sent:
                 yield text[len(sent):]
@@ -176,6 +229,7 @@ class Engine:
             prompt_tokens=prompt_tokens, image_tokens=image_tokens, new_tokens=len(ids),
             ttft_s=first - start, decode_tok_s=(len(ids) - 1) / (end - first) if len(ids) > 1 else 0.0,
             total_s=end - start, stopped=stopped, truncated=not stopped and len(ids) >= params.max_new_tokens,
+            reused_tokens=reused, cached_images=cached,
         )
 
     def _too_long(self, needed: int, image_tokens: int, pictures: int) -> InputError:
@@ -183,6 +237,72 @@ class Engine:
         return InputError("too_long_model" if self.max_context < self.settings.max_context else "too_long",
                           needed=needed, limit=self.max_context,
                           images=lambda lang: texts.image_share(lang, image_tokens, pictures))
+
+    @torch.inference_mode()
+    def _prefill(self, inputs: dict, new_tokens: int) -> tuple[dict, tuple, int, int]:
+        """The first model call's inputs, the prompt's content (see kv.content), prompt tokens reused, images cached.
+
+        With both stores off it is the processor's output, as it always was. Otherwise only the part of the prompt
+        that no kept cache holds is prefilled, after a copy of that cache; its images come from the feature store
+        or the vision tower. Positions are the whole prompt's M-RoPE positions from the model's own get_rope_index,
+        cut to that part, and the model's rope_deltas (what decode steps add to the cache length to get their
+        positions, kept on the model object by transformers) are set for this prompt, so another conversation's
+        never reach this one.
+        """
+        if self.kv is None and self.features is None:
+            return inputs, (), 0, 0
+        ids, grids = inputs["input_ids"], inputs.get("image_grid_thw")
+        pictures = self._images(inputs)
+        prompt = kv.content(ids[0].tolist(), self.model.config.image_token_id, pictures)
+        cache, start = (None, 0) if self.kv is None else self.kv.take(prompt)
+        if self.kv is not None:
+            self.kv.reserve(kv.per_token_bytes(self.model) * (len(prompt) + new_tokens))
+        positions, self.model.model.rope_deltas = self.model.model.get_rope_index(
+            ids, inputs["mm_token_type_ids"], grids)
+        # Images wholly after start: kv.Store.take never ends a prefix inside one.
+        first = kv.images_in(prompt[:start])
+        encoded, cached = self._image_features(inputs, pictures, first) if first < len(pictures) else (None, 0)
+        prefill = {"input_ids": ids[:, start:], "position_ids": positions[:, :, start:],
+                   "cache": cache or DynamicCache(config=self.model.config),
+                   "mm_encoder_outputs": {"image": encoded} if encoded else None}
+        return prefill, prompt, start, cached
+
+    def _images(self, inputs: dict) -> list[tuple[str, int]]:
+        """Per image: a hash of exactly what the vision tower is given (its pixel_values rows and patch grid), and
+        its token count."""
+        grids = inputs.get("image_grid_thw")
+        out, row = [], 0
+        for t, h, w in [] if grids is None else grids.tolist():
+            rows = inputs["pixel_values"][row:row + t * h * w].contiguous()
+            row += len(rows)
+            digest = hashlib.sha256(rows.view(torch.uint8).numpy()).hexdigest()
+            out.append((f"{digest}:{t}x{h}x{w}", t * h * w // self.model.config.vision_config.spatial_merge_size ** 2))
+        return out
+
+    def _image_features(self, inputs: dict, pictures: list[tuple[str, int]], first: int):
+        """The vision features of images first.. as the model takes them, and how many came from the store."""
+        config = self.model.config.vision_config
+        layers, found = len(config.deepstack_visual_indexes), {}
+        keys = [hashlib.sha256(f"{self.identity}|{identity}".encode()).hexdigest() for identity, _ in pictures]
+        for i in range(first, len(pictures)):
+            if self.features is not None:
+                shape = torch.Size([pictures[i][1], config.out_hidden_size])
+                found[i] = self.features.get(keys[i], shape, layers, self.model.dtype)
+        missing = [i for i in range(first, len(pictures)) if found.get(i) is None]
+        if missing:
+            grids = inputs["image_grid_thw"]
+            bounds = [0, *grids.prod(-1).cumsum(0).tolist()]
+            pixels = torch.cat([inputs["pixel_values"][bounds[i]:bounds[i + 1]] for i in missing])
+            out = self.model.model.get_image_features(pixels, grids[missing], return_dict=True)
+            for j, i in enumerate(missing):
+                found[i] = out.pooler_output[j], [layer[j] for layer in out.deepstack_features]
+                if self.features is not None:
+                    self.features.put(keys[i], found[i])
+        wanted = range(first, len(pictures))
+        return BaseModelOutputWithDeepstackFeatures(
+            pooler_output=tuple(found[i][0] for i in wanted),
+            deepstack_features=[tuple(found[i][1][layer] for i in wanted) for layer in range(layers)],
+        ), len(wanted) - len(missing)
 
     def _inputs(self, turns: list[Turn], params: GenParams) -> tuple[dict, int]:
         """Tokenize the conversation and preprocess its images, refusing an oversized one before pixel work."""

@@ -3,7 +3,8 @@
 HF generate() spends ~24 ms of framework work per decode step on 2 cores (logits processors, stopping criteria,
 cache bookkeeping); a 2B model's int4 step is only a few times that, so the loop is written out here: one prefill
 call, then one call per token that passes the cache. Qwen3-VL rebuilds its M-RoPE positions from the rope_deltas
-it stored during prefill, so the decode calls need only the new token.
+kept on the model object (stored by a whole-prompt prefill, or set by the engine when it passes positions), so the
+decode calls need only the new token.
 """
 import threading
 from collections.abc import Iterator

@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from qvl import cpu
+from qvl.cache import parse_size
 
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 
@@ -43,6 +44,8 @@ class Settings:
     cache: bool = True
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "answers"))
     cache_size: str = "auto"  # 5% of the free disk, at most 2 GiB
+    kv_memory: str = "auto"  # an eighth of the RAM, at most 4 GiB (qvl.kv.auto_limit)
+    feature_cache_size: str = "auto"  # as cache_size
     queue_size: int = 16
     max_file_size: str = "20mb"
     # Gradio holds ~0.1 MB per browser tab or API client, never freed on its own: this bounds it (~100 MB).
@@ -84,6 +87,12 @@ _HELP = {
     "cache": "answer cache on disk (--no-cache turns it off)",
     "cache_dir": "answer cache folder",
     "cache_size": "answer cache size limit, e.g. 500MB, 2GB; auto is 5% of the free disk, at most 2GB",
+    "kv_memory": "memory for the KV caches of recent conversations, so a follow-up, Regenerate or a new question "
+                 "about a seen image prefills only what is new, e.g. 1GB; auto is an eighth of the RAM, at most 4GB; "
+                 "0 turns reuse off",
+    "feature_cache_size": "disk for the vision features of seen images, in the features folder of --cache-dir "
+                          "(up to 256MB of them are also kept in memory), e.g. 1GB; auto is 5 percent of the free "
+                          "disk, at most 2GB; 0 turns it off",
     "queue_size": "requests that may wait in the queue before new ones are told to retry",
     "max_file_size": "largest upload, e.g. 20mb",
     "max_sessions": "conversations kept in memory (browser tabs, API clients); past this the least recently "
@@ -137,6 +146,12 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
     settings = Settings(**{k: v for k, v in args.items() if k not in gen_names}, gen=gen)
     if settings.quant not in ("auto", "fp32", "bf16", "int8", "int4"):
         parser.error(f"--quant must be one of auto, fp32, bf16, int8, int4 (got {settings.quant!r})")
+    for name in ("kv_memory", "feature_cache_size"):
+        try:
+            if getattr(settings, name) != "auto":
+                parse_size(getattr(settings, name))
+        except ValueError as e:
+            parser.error(f"--{name.replace('_', '-')}: {e}")
     if settings.max_sessions < 1 or settings.upload_hours < 0:
         parser.error("--max-sessions must be at least 1 and --upload-hours at least 0")
     try:

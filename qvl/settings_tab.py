@@ -90,7 +90,20 @@ def wire(parts: dict, tab: gr.Tab, demo: gr.Blocks, engine, cache, settings):
         state = text["broken"] if info["error"] else text["on"] if info["enabled"] else text["off"]
         line = text["cache_line"].format(state=state, entries=info["entries"], size=info["size_bytes"] / 1e6,
                                          hits=info["hits"], misses=info["misses"])
-        return line + (f"\n\n⚠ `{info['error']}`" if info["error"] and is_operator(request) else "")
+        line += f"\n\n⚠ `{info['error']}`" if info["error"] and is_operator(request) else ""
+        return line + "\n\n" + memory_status(text)
+
+    def memory_status(text: dict) -> str:
+        """What the engine keeps for reuse: conversations' attention caches and images' vision features."""
+        kept = engine.memory_info()
+        talks, pictures = kept["conversations"] or {}, kept["features"]
+        features = text["memory_off"] if pictures is None else text["features_line"].format(
+            memory=pictures["memory_entries"], disk=pictures["disk_entries"])
+        return text["memory_line"].format(
+            state=text["on"] if talks else text["memory_off"], entries=talks.get("entries", 0),
+            size=talks.get("bytes", 0) / 1e6, limit=talks.get("limit_bytes", 0) / 1e6,
+            reused=talks.get("reused_tokens", 0), features=features,
+            feature_hits=(pictures or {}).get("hits", 0))
 
     def page(request: gr.Request):
         """What this visitor may change, and the facts for their language."""

@@ -60,6 +60,13 @@ def upload_ceiling(settings) -> int:
     return 4 * parse_size(settings.max_file_size)
 
 
+def warm_up_request() -> tuple[list[str], str]:
+    """What the engine answers at start-up: every example picture encoded, the first example's question asked, so
+    that the first visitor pays no lazy initialisation and an example clicked in English starts from kept work."""
+    _, key = chat_tab.EXAMPLES[0]
+    return [str(ASSETS / picture) for picture, _ in chat_tab.EXAMPLES], texts.TEXT["en"][key]
+
+
 def page_assets() -> dict:
     """launch() arguments that dress the page: its CSS, script and translations, and the example pictures it serves."""
     return {"css": CSS, "head": HEAD, "i18n": I18N, "allowed_paths": [str(ASSETS)]}
@@ -72,6 +79,9 @@ def build(engine, cache, settings) -> gr.Blocks:
         conversation = gr.State([])
         gr.Markdown(I18N("title"))
         gr.Markdown(I18N("fallback"), visible=bool(engine.fallback), elem_id="fallback")
+        warming = gr.Markdown(I18N("warming"), visible=not engine.ready.is_set(), elem_id="warming")
+        # Checks once a second until the engine is warm, then stops: an idle page costs the server nothing.
+        ticking = gr.Timer(1.0, active=not engine.ready.is_set())
         with gr.Tabs():
             with gr.Tab(I18N("chat"), id="chat"):
                 chatbot, box = chat_tab.draw(I18N)
@@ -86,4 +96,11 @@ def build(engine, cache, settings) -> gr.Blocks:
             return chat_tab.welcome(texts.language(request.headers.get("accept-language")))
 
         demo.load(in_their_language, None, chatbot, api_visibility="private")
+
+        def warm() -> tuple:
+            ready = engine.ready.is_set()
+            return gr.Markdown(visible=not ready), gr.Timer(active=not ready)
+
+        demo.load(warm, None, [warming, ticking], api_visibility="private")
+        ticking.tick(warm, None, [warming, ticking], api_visibility="private")
     return demo

@@ -13,8 +13,24 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_dir):
-    return Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache"], env={}))
+def engine(tiny_dir, tmp_path_factory):
+    cache_dir = str(tmp_path_factory.mktemp("engine-cache"))  # its image-feature store, not the user's
+    return Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache", "--cache-dir", cache_dir],
+                                 env={}))
+
+
+@pytest.fixture(scope="session")
+def cold(tiny_dir):
+    """The tiny model with conversation memory and the image-feature store off: every request computed in full."""
+    return Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--kv-memory", "0",
+                                  "--feature-cache-size", "0"], env={}))
+
+
+@pytest.fixture
+def make_engine(tiny_dir, tmp_path):
+    """make_engine(*flags): a fresh tiny engine, reuse on unless flags say otherwise, its cache folder in tmp_path."""
+    return lambda *flags: Engine(settings.parse(
+        ["--model", str(tiny_dir), "--quant", "fp32", "--cache-dir", str(tmp_path / "cache"), *flags], env={}))
 
 
 @pytest.fixture(scope="session")

@@ -44,6 +44,7 @@ def test_a_second_turn_carries_the_first_turns_image_until_a_new_conversation(ap
     client.predict(api_name="/new_conversation")
     _, alone = client.predict([], "Which bar is the tallest?", **short)
     assert "· 0 image tokens" not in follow_up and "image tokens" in follow_up
+    assert "prompt tokens reused" in follow_up  # the first turn's attention cache was kept and reused
     assert "· 0 image tokens" in alone
 
 

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from qvl import bench
+from qvl import bench, settings
 
 
 def test_sqnr_is_infinite_for_identical_logits_and_low_for_noise():
@@ -30,7 +30,7 @@ def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path
     out = tmp_path / "bench.json"
     result = subprocess.run(
         [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows", "fp32,auto", "--runs", "1",
-         "--json", str(out)], capture_output=True, text=True, timeout=600,
+         "--json", str(out), "--scenarios", "regenerate"], capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
@@ -39,5 +39,17 @@ def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path
     for row in data["rows"]:
         assert {"load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "sqnr_db", "kl", "top1_agreement"} <= set(row)
         assert row["new_tokens"] == bench.NEW_TOKENS and row["image_tokens"] == 300
+        assert [s["name"] for s in row["scenarios"]] == ["regenerate"]
     assert math.isinf(data["rows"][0]["sqnr_db"]) and data["rows"][1]["sqnr_db"] < 60
-    assert "| fp32 |" in result.stdout and "| auto |" in result.stdout
+    assert "| fp32 |" in result.stdout and "| auto |" in result.stdout and "| auto | regenerate |" in result.stdout
+
+
+def test_memory_scenarios_reuse_and_time_the_same_request_cold(engine):
+    params = settings.GenParams(greedy=True, max_new_tokens=8, min_new_tokens=8)
+    results = bench.scenarios(engine, bench.SCENARIOS, params)
+    assert [r["name"] for r in results] == list(bench.SCENARIOS)
+    for r in results:
+        assert set(r) == {"name", "ttft_s", "cold_ttft_s", "reused_tokens", "cached_images"}
+        assert r["ttft_s"] > 0 and r["cold_ttft_s"] > 0 and r["reused_tokens"] > 0
+    prompt = engine._inputs([bench.Turn("user", bench.QUESTION, (bench.photo(),))], params)[0]["input_ids"].shape[1]
+    assert results[-1]["reused_tokens"] == prompt - 1  # Regenerate: all but the last prompt token

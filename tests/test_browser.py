@@ -112,11 +112,13 @@ def test_upload_ask_stream_stop_and_change_threads(browser, app):
     threads.press("Enter")
     page.wait_for_selector("#facts >> text=2 intra-op")
     assert page.locator("#facts >> text=Answer cache folder").count() == 1
+    assert page.locator("#cache-status >> text=Conversation memory: on").count() == 1
     shoot(page, "screenshot-settings.png", full_page=True)
 
 
 def test_the_empty_chat_offers_examples_and_enter_on_an_empty_box_sends_nothing(browser, app):
     page = open_page(browser, app)
+    page.wait_for_selector("#warming", state="hidden")  # the banner goes once the engine has warmed up
     page.wait_for_selector("#chatbot >> text=Ask anything about a picture")
     examples = page.locator("#chatbot .example")
     assert examples.count() == 4 and all(examples.nth(i).locator("img").count() == 1 for i in range(4))

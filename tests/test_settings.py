@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qvl import cpu, settings
+from qvl import cpu, kv, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,8 @@ def test_qwen_instruct_sampling_defaults():
     "argv, env, named",
     [(["--quant", "fp16"], {}, "--quant"), ([], {"QVL_THREADS": "many"}, "QVL_THREADS"),
      ([], {"QVL_GREEDY": "maybe"}, "QVL_GREEDY"), (["--port", "http"], {}, "--port"),
-     (["--max-sessions", "0"], {}, "--max-sessions"), ([], {"QVL_UPLOAD_HOURS": "-1"}, "--upload-hours")],
+     (["--max-sessions", "0"], {}, "--max-sessions"), ([], {"QVL_UPLOAD_HOURS": "-1"}, "--upload-hours"),
+     (["--kv-memory", "lots"], {}, "--kv-memory"), ([], {"QVL_FEATURE_CACHE_SIZE": "-1"}, "--feature-cache-size")],
 )
 def test_bad_values_are_refused_with_the_name_of_the_setting(argv, env, named, capsys):
     with pytest.raises(SystemExit):
@@ -104,3 +105,13 @@ def test_only_a_localhost_server_without_share_is_private():
     assert settings.parse([], env={}).private
     assert not settings.parse(["--share"], env={}).private
     assert not settings.parse(["--host", "0.0.0.0"], env={}).private
+
+
+def test_conversation_memory_is_sized_like_the_caches_and_auto_follows_the_ram(tmp_path):
+    s = settings.parse(["--kv-memory", "1.5GB"], env={"QVL_FEATURE_CACHE_SIZE": "0"})
+    assert kv.parse_limit(s.kv_memory) == 3 << 29 and s.feature_cache_size == "0"
+    assert settings.parse([], env={}).kv_memory == "auto"
+    (tmp_path / "memory.max").write_text(f"{8 << 30}\n")
+    assert kv.auto_limit(str(tmp_path / "memory.max")) == 1 << 30  # an eighth of a container's 8 GiB
+    (tmp_path / "memory.max").write_text("max\n")
+    assert 0 < kv.auto_limit(str(tmp_path / "memory.max")) <= 4 << 30

@@ -1,0 +1,212 @@
+"""Conversation memory: a request reuses the longest kept prefix of any conversation and answers exactly as cold.
+
+Every case compares against an engine with reuse off (cold), in fp32 and greedy: token for token, and each step's
+logits within TOL of cold's (a different summation order changes the last bits; where that flips a near tie the
+answers part, and the comparison stops there). Each case also asserts that reuse happened.
+"""
+from dataclasses import dataclass
+from unittest import mock
+
+import pytest
+import torch
+from gradio_client import Client, handle_file
+from transformers import DynamicCache
+
+from qvl import generate, kv, settings
+from qvl.engine import Stats, Turn
+from test_engine import picture
+from test_robustness import inproc  # noqa: F401 (the app in this process, serving the session's engine)
+
+GREEDY = settings.GenParams(greedy=True, max_new_tokens=12)
+TOL = 1e-4
+
+
+@dataclass
+class Answer:
+    text: str
+    ids: list
+    logits: list
+    stats: Stats
+
+
+def ask(engine, turns, params=GREEDY, stop_after=None) -> Answer:
+    """The answer with each step's token and logits; stop_after=n presses Stop once n pieces have arrived."""
+    ids, logits, pieces, pick = [], [], [], generate._pick
+
+    def recording(row, params, rng):
+        logits.append(row.float().clone())
+        ids.append(pick(row, params, rng))
+        return ids[-1]
+
+    with mock.patch.object(generate, "_pick", recording):
+        for item in engine.chat(turns, params):
+            if isinstance(item, Stats):
+                return Answer("".join(pieces), ids, logits, item)
+            pieces.append(item)
+            if len(pieces) == stop_after:
+                engine.stop()
+
+
+def assert_same_answer(warm: Answer, cold: Answer):
+    assert warm.logits and len(warm.logits) == len(warm.ids)
+    for step, (w, c) in enumerate(zip(warm.logits, cold.logits)):
+        assert (w - c).abs().max() < TOL, f"step {step}: logits differ by {(w - c).abs().max():.2e}"
+        if warm.ids[step] != cold.ids[step]:
+            top = c.topk(2).values
+            assert top[0] - top[1] < TOL, f"step {step}: a different token without a near tie"
+            return
+    assert warm.ids == cold.ids and warm.text == cold.text
+
+
+def tower(engine) -> list:
+    """From now on, the image grids of each call of engine's vision tower, one list per call."""
+    calls = []
+    engine.model.model.visual.register_forward_pre_hook(
+        lambda _, args, kw: calls.append(kw["grid_thw"].tolist()), with_kwargs=True)
+    return calls
+
+
+@pytest.fixture
+def warm(make_engine):
+    return make_engine()
+
+
+def test_a_text_follow_up_prefills_only_the_new_question(warm, cold):
+    first = [Turn("user", "What is in this picture?", (picture(),))]
+    answer = ask(warm, first)
+    follow_up = [*first, Turn("assistant", answer.text), Turn("user", "Why?")]
+    calls = tower(warm)
+    again = ask(warm, follow_up)
+    assert again.stats.reused_tokens >= answer.stats.prompt_tokens and calls == []
+    assert_same_answer(again, ask(cold, follow_up))
+
+
+def test_a_follow_up_with_a_new_image_encodes_only_that_image(warm, cold):
+    first = [Turn("user", "Describe this.", (picture(),))]
+    answer = ask(warm, first)
+    new_image = picture(96, 160, (0, 128, 0))
+    follow_up = [*first, Turn("assistant", answer.text), Turn("user", "And this one?", (new_image,))]
+    calls = tower(warm)
+    again = ask(warm, follow_up)
+    assert again.stats.reused_tokens >= answer.stats.prompt_tokens and len(calls) == 1 and len(calls[0]) == 1
+    assert_same_answer(again, ask(cold, follow_up))
+
+
+def test_regenerate_prefills_only_the_last_prompt_token(warm, cold):
+    turns = [Turn("user", "What colour is it?", (picture(),))]
+    ask(warm, turns)
+    calls = tower(warm)
+    again = ask(warm, turns)
+    assert again.stats.reused_tokens == again.stats.prompt_tokens - 1 and calls == []
+    assert_same_answer(again, ask(cold, turns))
+
+
+def test_undo_then_a_different_question_reuses_the_conversation_before_it(warm, cold):
+    first = [Turn("user", "What is it?", (picture(),))]
+    a1 = ask(warm, first)
+    second = [*first, Turn("assistant", a1.text), Turn("user", "How big is it?")]
+    a2 = ask(warm, second)
+    undone = [*first, Turn("assistant", a1.text), Turn("user", "Where is it?")]
+    again = ask(warm, undone)
+    assert again.stats.reused_tokens > a1.stats.prompt_tokens
+    assert_same_answer(again, ask(cold, undone))
+    assert_same_answer(ask(warm, second), a2)  # the undone turn's entry was copied from, not cut
+
+
+def test_a_stopped_answer_is_kept_for_the_follow_up_that_contains_it(warm, cold):
+    first = [Turn("user", "Tell me everything.", (picture(),))]
+    half = ask(warm, first, settings.GenParams(greedy=True, max_new_tokens=200, min_new_tokens=200), stop_after=6)
+    assert half.stats.stopped and len(half.ids) == 6
+    follow_up = [*first, Turn("assistant", half.text), Turn("user", "Go on.")]
+    again = ask(warm, follow_up)
+    assert again.stats.reused_tokens >= half.stats.prompt_tokens
+    assert_same_answer(again, ask(cold, follow_up))
+
+
+def test_two_users_interleaving_get_their_own_positions(warm, cold):
+    # Different aspect ratios give different M-RoPE deltas: one user's must never reach the other's decode steps.
+    ann = [Turn("user", "What is this?", (picture(320, 240),))]
+    bob = [Turn("user", "What is this?", (picture(96, 480, (0, 90, 200)),))]
+    a1, b1 = ask(warm, ann), ask(warm, bob)
+    ann += [Turn("assistant", a1.text), Turn("user", "And its colour?")]
+    bob += [Turn("assistant", b1.text), Turn("user", "And its size?")]
+    a2, b2 = ask(warm, ann), ask(warm, bob)
+    assert a2.stats.reused_tokens >= a1.stats.prompt_tokens and b2.stats.reused_tokens >= b1.stats.prompt_tokens
+    assert_same_answer(a2, ask(cold, ann))
+    assert_same_answer(b2, ask(cold, bob))
+
+
+def test_many_visitors_of_one_example_image_share_its_prefix(warm, cold):
+    example = picture(320, 240, (250, 200, 0))
+    ask(warm, [Turn("user", "What is this?", (example,))])
+    calls = tower(warm)
+    for question in ("Which colours are there?", "Is there text?", "Describe it."):
+        turns = [Turn("user", question, (example,))]
+        visit = ask(warm, turns)
+        assert visit.stats.reused_tokens >= visit.stats.image_tokens
+        assert_same_answer(visit, ask(cold, turns))
+    assert calls == []
+
+
+def test_under_eviction_pressure_the_bound_holds_and_reuse_stays_exact(make_engine, cold):
+    conversation_bytes = kv.per_token_bytes(cold.model) * 140  # a 112-token prompt and its answer
+    warm = make_engine("--kv-memory", str(int(2.5 * conversation_bytes)))
+    users = [[Turn("user", "What is this?", (picture(320, 240, (i * 60, 30, 30)),))] for i in range(4)]
+    answers = []
+    for turns in users:
+        answers.append(ask(warm, turns))
+        info = warm.memory_info()["conversations"]
+        assert info["bytes"] <= info["limit_bytes"] and info["entries"] <= 2
+    for turns, answer in zip(users[2:], answers[2:]):  # the two most recent are still kept
+        turns += [Turn("assistant", answer.text), Turn("user", "More?")]
+        again = ask(warm, turns)
+        assert again.stats.reused_tokens >= answer.stats.prompt_tokens
+        assert_same_answer(again, ask(cold, turns))
+        assert warm.memory_info()["conversations"]["bytes"] <= warm.memory_info()["conversations"]["limit_bytes"]
+    first = [*users[0], Turn("assistant", answers[0].text), Turn("user", "More?")]
+    evicted = ask(warm, first)
+    assert evicted.stats.reused_tokens < answers[0].stats.prompt_tokens  # its own entry went first
+    assert_same_answer(evicted, ask(cold, first))
+
+
+def test_a_conversation_larger_than_the_bound_is_answered_and_not_kept(make_engine, cold):
+    warm = make_engine("--kv-memory", "10KB")
+    turns = [Turn("user", "What is this?", (picture(),))]
+    for _ in range(2):
+        answer = ask(warm, turns)
+        assert answer.stats.reused_tokens == 0 and warm.memory_info()["conversations"]["entries"] == 0
+    assert_same_answer(answer, ask(cold, turns))
+
+
+def test_kv_memory_0_keeps_nothing(make_engine):
+    engine = make_engine("--kv-memory", "0")
+    turns = [Turn("user", "What is this?", (picture(),))]
+    assert ask(engine, turns).stats.reused_tokens == ask(engine, turns).stats.reused_tokens == 0
+    assert engine.kv is None and engine.memory_info()["conversations"] is None
+
+
+def test_the_ask_api_reuses_its_clients_conversation(inproc, cold, tmp_path):
+    picture().save(tmp_path / "picture.png")
+    client, options = Client(inproc.url, verbose=False), dict(use_cache=False, greedy=True, max_new_tokens=12)
+    first, _ = client.predict([handle_file(str(tmp_path / "picture.png"))], "What is this?", **options, api_name="/ask")
+    before = inproc.engine.memory_info()["conversations"]["reused_tokens"]
+    second, _ = client.predict([], "And then?", **options, api_name="/ask")
+    turns = [Turn("user", "What is this?", (picture(),)), Turn("assistant", first), Turn("user", "And then?")]
+    expected = ask(cold, turns)
+    assert inproc.engine.memory_info()["conversations"]["reused_tokens"] - before >= expected.stats.image_tokens
+    assert second == expected.text
+
+
+def test_a_prefix_never_ends_inside_an_image():
+    a, b = "image-a", "image-b"  # two images of one size: as many placeholder tokens, different identities
+    store = kv.Store(1 << 30)
+    store.keep((1, a, a, a, 2), filled(5))
+    assert store.take((1, b, b, b, 2, 3))[1] == 1
+    assert store.take((1, a, a, a))[1] == 1  # the last position is always prefilled, and would split the image
+    assert store.take((1, a, a, a, 2, 3))[1] == 5
+
+
+def filled(length: int) -> DynamicCache:
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 1, length, 2), torch.zeros(1, 1, length, 2), 0)
+    return cache
