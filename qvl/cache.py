@@ -313,7 +313,7 @@ def bench(repeats: int = 20, image: str = "assets/chart.png", question: str = "W
 
             for name, ask in (("gradio_client", via_client), ("HTTP /gradio_api/call/ask", via_http)):
                 runs = [ask() for _ in range(repeats)]
-                if any(answer != first or "from cache" not in status for _, answer, status in runs):
+                if any(answer != first or "answered from cache" not in status for _, answer, status in runs):
                     raise SystemExit(f"{name}: a repeat was not answered from the cache: {runs[0][1:]}")
                 ms = sorted(1000 * seconds for seconds, _, _ in runs)
                 print(f"{name}: cached repeat, {repeats} runs: p50 {statistics.median(ms):.0f} ms, "

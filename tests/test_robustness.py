@@ -194,14 +194,14 @@ def test_a_pickle_planted_in_the_cache_is_never_unpickled(app, engine, tmp_path)
     ask = dict(images=[], use_cache=True, max_new_tokens=8, greedy=True, api_name="/ask")
     assert client(app).predict(question="Planted?", **ask)[0] == "PLANTED"  # the keys above are the app's
     answer, status = client(app).predict(question="Unpickle me?", **ask)
-    assert "first token" in status and "from cache" not in status
+    assert "first token" in status and "answered from cache" not in status
     assert not (tmp_path / "pwned").exists()
 
 
 def test_a_broken_cache_directory_changes_nothing_for_users(app):
     question = dict(images=[handle_file(str(picture(app, "cached.png")))], question="Cache me.", **SAMPLED)
     answer, _ = client(app).predict(**question)
-    assert "from cache" in client(app).predict(**question)[1]
+    assert "answered from cache" in client(app).predict(**question)[1]
     for what, damage in stress.CACHE_DAMAGE.items():
         damage(app.cache_dir)
         assert client(app).predict(**question)[0] == answer, what
@@ -358,6 +358,6 @@ def test_a_generation_that_fails_midway_tells_the_user_and_the_next_works(inproc
         hook.remove()
     assert len(calls) == 3
     answer, status = Client(inproc.url, verbose=False).predict(**question)
-    assert "first token" in status and "from cache" not in status  # the failed answer was not stored
+    assert "first token" in status and "answered from cache" not in status  # the failed answer was not stored
     again, cached = Client(inproc.url, verbose=False).predict(**question)
     assert again == answer and cached.startswith("answered from cache in")
