@@ -2,7 +2,7 @@
 import logging
 import signal
 
-from qvl import cache, cpu, heap, settings, ui
+from qvl import cache, cpu, heap, idle, settings, ui
 from qvl.engine import Engine
 
 log = logging.getLogger("qvl")
@@ -29,7 +29,7 @@ def main():
     demo = ui.build(engine, answers, config)
     # SIGTERM (docker stop, Spaces restarts, systemd) closes the server the way Ctrl+C does, and exits 0.
     signal.signal(signal.SIGTERM, lambda *_: demo.close())
-    demo.queue(default_concurrency_limit=1, max_size=config.queue_size).launch(
+    idle.quiet_queue(demo.queue(default_concurrency_limit=1, max_size=config.queue_size)).launch(
         server_name=config.host, server_port=config.port, share=config.share, auth=auth,
         max_file_size=config.max_file_size, state_session_capacity=config.max_sessions, i18n=ui.I18N,
     )
