@@ -13,7 +13,7 @@ def main():
     heap.limit_arenas()  # before the model, the server and their threads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes, one line each
-    from qvl import cache, cpu, ui
+    from qvl import cache, cpu, idle, ui
     from qvl.engine import Engine
 
     log.info("CPU: %s", cpu.describe())
@@ -27,7 +27,7 @@ def main():
     # SIGTERM (docker stop, Spaces restarts, systemd) closes the server the way Ctrl+C does, and exits 0.
     signal.signal(signal.SIGTERM, lambda *_: demo.close())
     # Gradio's own start-up text suggests `share=True` in launch(); quiet, and the app says it in its own terms.
-    demo.queue(default_concurrency_limit=1, max_size=config.queue_size).launch(
+    idle.quiet_queue(demo.queue(default_concurrency_limit=1, max_size=config.queue_size)).launch(
         server_name=config.host, server_port=config.port, share=config.share,
         auth=settings.credentials(config.auth) or None, auth_message=ui.login_message(),
         max_file_size=ui.upload_ceiling(config), state_session_capacity=config.max_sessions, quiet=True,

@@ -11,6 +11,7 @@ small bound, so the soak passes it).
 faults: bad uploads and questions, a client that disconnects mid-answer, the cache directory deleted, replaced by a
 file and corrupted while serving (when this script launched the app), then SIGTERM. Lost requests (no answer, no
 busy message, no input error: a hang, a crash, a dropped connection) must be 0; the exit code says whether they were.
+idle (first): the server's CPU time over a minute with nobody asking, after one answered request, as % of one core.
 """
 import argparse
 import os
@@ -107,6 +108,13 @@ def rss_mb(pid: int | None) -> float | None:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of the process, all its threads together, and of its children it has waited for."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces: field 3 onwards
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # fields 14-17: utime stime cutime cstime
 
 
 def picture(path: Path, width_tokens: int = 16, seed: int | None = None) -> Path:
@@ -323,6 +331,20 @@ def disconnect(url: str, auth, after_events: int = 3):
                     break
 
 
+def idle_cpu(url: str, auth, pid: int, workdir: Path, seconds: float, settle: float = 2) -> float:
+    """Percent of one core the server uses over `seconds` with nobody asking, after one answered request: what an
+    idle server costs the box it shares with its own answers. `settle` lets the answer's threads go to sleep."""
+    client = Client(url, auth=auth, verbose=False)
+    try:
+        ask(client, "Warm-up: what is this?", [picture(workdir / "idle.png")]).result(timeout=TIMEOUT_S)
+    finally:
+        client.close()
+    time.sleep(settle)
+    used, started = cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return 100 * (cpu_seconds(pid) - used) / (time.monotonic() - started)
+
+
 def percentile(values: list, q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else None
 
@@ -354,6 +376,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-sessions", type=int, default=32,
                         help="the launched app's session bound: above --clients, so the load's conversations are all "
                              "kept, and below the soak's new sessions (soak / new-client-every), so the soak reaches it")
+    parser.add_argument("--idle", type=float, default=60,
+                        help="seconds over which to measure the server's CPU use while idle, after one answered "
+                             "request, before the other scenarios (needs the pid; 0 skips it)")
     args = parser.parse_args(argv)
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
     workdir = Path(tempfile.mkdtemp(prefix="qvl-stress-"))
@@ -369,6 +394,9 @@ def main(argv=None) -> int:
             url, pid, cache_dir = server.url, server.proc.pid, server.cache_dir
             print(f"launched app.py (pid {pid}) at {url} on the tiny model, queue size {args.queue_size}, "
                   f"{args.max_sessions} sessions", flush=True)
+        idle = idle_cpu(url, auth, pid, workdir, args.idle) if args.idle and pid else None
+        if idle is not None:
+            print("idle done", flush=True)
         tallies = []
         for run in (lambda: load(url, args.clients, auth, workdir),
                     lambda: soak(url, args.soak, auth, pid, workdir, args.new_client_every),
@@ -376,6 +404,8 @@ def main(argv=None) -> int:
             tallies.append(run())
             print(f"{tallies[-1].name} done", flush=True)
         print(table(tallies))
+        if idle is not None:
+            print(f"idle: {idle:.2f}% of one core over {args.idle:.0f} s")
         for t in tallies:
             for problem in t.problems[:10]:
                 print(f"{t.name}: {problem}")
