@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import socket
+import json
 import statistics
 import subprocess
 import sys
@@ -345,6 +346,46 @@ def idle_cpu(url: str, auth, pid: int, workdir: Path, seconds: float, settle: fl
     return 100 * (cpu_seconds(pid) - used) / (time.monotonic() - started)
 
 
+def cached_repeats(url: str, auth, repeats: int, image: Path) -> list[str]:
+    """Cached-repeat latency through the real API: one answer, then `repeats` timed repeats of the same request,
+    each a whole client request (the photo uploaded again, the answer streamed back), through gradio_client (which
+    polls its stream every 50 ms) and through plain HTTP calls to /gradio_api/call/ask. One line per way."""
+    question, lines = "What does this chart show?", []
+    client = Client(url, auth=auth, verbose=False)
+    first, _ = client.predict([handle_file(str(image))], question, **ASK, api_name="/ask")
+    controls = [ASK[name] for name in ("max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k",
+                                       "greedy", "seed")]
+
+    def via_client():
+        client.predict(api_name="/new_conversation")  # the same question again, not a follow-up
+        start = time.perf_counter()
+        answer, status = client.predict([handle_file(str(image))], question, **ASK, api_name="/ask")
+        return time.perf_counter() - start, answer, status
+
+    with httpx.Client(base_url=url, auth=auth) as http:  # one connection, kept alive, as a client app would
+
+        def via_http():
+            start = time.perf_counter()
+            with open(image, "rb") as f:
+                (path,) = http.post("/gradio_api/upload", files={"files": f}).json()
+            upload = {"path": path, "meta": {"_type": "gradio.FileData"}}
+            event = http.post("/gradio_api/call/ask", json={"data": [[upload], question, ASK["use_cache"], *controls]})
+            with http.stream("GET", f"/gradio_api/call/ask/{event.json()['event_id']}") as stream:
+                events = list(stream.iter_lines())
+            answer, status, _ = json.loads(events[events.index("event: complete") + 1].removeprefix("data: "))
+            return time.perf_counter() - start, answer, status
+
+        for name, timed in (("gradio_client", via_client), ("HTTP /gradio_api/call/ask", via_http)):
+            runs = [timed() for _ in range(repeats)]
+            if any(answer != first or "answered from cache" not in status for _, answer, status in runs):
+                raise RuntimeError(f"{name}: a repeat was not answered from the cache: {runs[0][1:]}")
+            ms = sorted(1000 * seconds for seconds, _, _ in runs)
+            lines.append(f"cached repeat via {name}, {repeats} runs: p50 {statistics.median(ms):.0f} ms, p95 "
+                         f"{ms[round(0.95 * (repeats - 1))]:.0f} ms (load average {os.getloadavg()[0]:.1f})")
+    client.close()
+    return lines
+
+
 def percentile(values: list, q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else None
 
@@ -376,9 +417,15 @@ def main(argv=None) -> int:
     parser.add_argument("--max-sessions", type=int, default=32,
                         help="the launched app's session bound: above --clients, so the load's conversations are all "
                              "kept, and below the soak's new sessions (soak / new-client-every), so the soak reaches it")
+    parser.add_argument("--kv-memory", default="16MB",
+                        help="the launched app's bound on kept conversations: small, so the soak reaches it and its "
+                             "RSS shows the bound at work")
     parser.add_argument("--idle", type=float, default=60,
                         help="seconds over which to measure the server's CPU use while idle, after one answered "
                              "request, before the other scenarios (needs the pid; 0 skips it)")
+    parser.add_argument("--cached-repeats", type=int, default=0,
+                        help="time this many cached repeats of one request through the API, before the load "
+                             "(0 skips it)")
     args = parser.parse_args(argv)
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
     workdir = Path(tempfile.mkdtemp(prefix="qvl-stress-"))
@@ -390,13 +437,16 @@ def main(argv=None) -> int:
             model = tiny.build(workdir / "tiny")
             env = {"QVL_AUTH": args.auth} if args.auth else {}
             server = launch(str(model), workdir, "--queue-size", str(args.queue_size),
-                            "--max-sessions", str(args.max_sessions), env=env)
+                            "--max-sessions", str(args.max_sessions), "--kv-memory", args.kv_memory, env=env)
             url, pid, cache_dir = server.url, server.proc.pid, server.cache_dir
             print(f"launched app.py (pid {pid}) at {url} on the tiny model, queue size {args.queue_size}, "
-                  f"{args.max_sessions} sessions", flush=True)
+                  f"{args.max_sessions} sessions, {args.kv_memory} of kept conversations", flush=True)
         idle = idle_cpu(url, auth, pid, workdir, args.idle) if args.idle and pid else None
         if idle is not None:
             print("idle done", flush=True)
+        # Before the faults scenario, which breaks the cache folder on purpose.
+        repeats = cached_repeats(url, auth, args.cached_repeats, ROOT / "assets" / "chart.png") \
+            if args.cached_repeats else []
         tallies = []
         for run in (lambda: load(url, args.clients, auth, workdir),
                     lambda: soak(url, args.soak, auth, pid, workdir, args.new_client_every),
@@ -406,6 +456,8 @@ def main(argv=None) -> int:
         print(table(tallies))
         if idle is not None:
             print(f"idle: {idle:.2f}% of one core over {args.idle:.0f} s")
+        for line in repeats:
+            print(line)
         for t in tallies:
             for problem in t.problems[:10]:
                 print(f"{t.name}: {problem}")

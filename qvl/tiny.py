@@ -2,8 +2,8 @@
 
     python -m qvl.tiny DIR
 """
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -83,6 +83,7 @@ def build(out_dir: str | Path, seed: int = 0) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m qvl.tiny DIR")
-    print(build(sys.argv[1]))
+    parser = argparse.ArgumentParser(prog="python -m qvl.tiny", description="Write the tiny offline Qwen3-VL (random "
+                                     "weights, real classes) to a folder, for `python app.py --model DIR`.")
+    parser.add_argument("dir", help="the folder to write")
+    print(build(parser.parse_args().dir))

@@ -1,0 +1,36 @@
+"""python -m qvl.stress as a user runs it: every scenario, small, against the tiny model it launches itself."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_stress_run_answers_everything_and_prints_its_figures():
+    done = subprocess.run(
+        [sys.executable, "-m", "qvl.stress", "--clients", "3", "--soak", "6", "--new-client-every", "3",
+         "--max-sessions", "4", "--queue-size", "4", "--kv-memory", "8MB", "--idle", "2",
+         "--cached-repeats", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line.split("|")[0].strip(): line for line in done.stdout.splitlines() if "|" in line}
+    assert {"load", "soak", "faults"} <= set(rows)
+    assert "idle: " in done.stdout and "% of one core over 2 s" in done.stdout
+    assert "cached repeat via gradio_client, 3 runs: p50" in done.stdout
+    assert "cached repeat via HTTP /gradio_api/call/ask, 3 runs: p50" in done.stdout
+    assert "SIGTERM: exit code 0" in done.stdout and "freed" in done.stdout
+
+
+@pytest.mark.parametrize("module", ["qvl.stress", "qvl.bench", "qvl.tiny"])
+def test_every_command_explains_itself(module):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "usage:" in done.stdout
+
+
+def test_the_tiny_model_command_writes_a_loadable_checkpoint(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "qvl.tiny", str(tmp_path / "tiny")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and (tmp_path / "tiny" / "model.safetensors").exists()
