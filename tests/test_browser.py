@@ -194,6 +194,7 @@ def test_a_visitor_sees_server_settings_read_only_and_an_admin_can_change_them(b
             assert slider.is_enabled() == operator and page.locator("#clear-cache").is_enabled() == operator
             assert page.locator("#operator-only").is_visible() != operator
             assert (page.locator("#facts >> text=Answer cache folder").count() == 1) == operator
+            assert ("/tmp/" in page.locator("#facts").inner_text()) == operator  # the model's and cache's paths
             if operator:
                 page.locator("#clear-cache").click()
                 page.locator("#clear-yes").click()  # asked first: it deletes every visitor's cached answers
