@@ -34,10 +34,10 @@ def test_int4_linear_stays_close_to_the_float_layer():
     x = torch.randn(3, 256)
     want = linear(x)
     for rows in (x[:1], x):  # one row takes the int4 kernel, more than DECODE_ROWS would take the int8 twin
-        got = quant.Int4Linear(linear, prefill=True)(rows)
+        got = quant.Int4Linear.quantize(linear, prefill=True)(rows)
         assert got.shape == linear(rows).shape
         assert (got - linear(rows)).norm() / linear(rows).norm() < 0.1
-    assert not torch.allclose(quant.Int4Linear(linear, prefill=False)(x), want, atol=1e-6)  # it is quantized
+    assert not torch.allclose(quant.Int4Linear.quantize(linear, prefill=False)(x), want, atol=1e-6)  # it is quantized
 
 
 def _sharp(model):
