@@ -88,7 +88,8 @@ def _write(file: Path, model: nn.Module, want: dict):
     header, offset = {}, 0
     for name, tensor in _tensors(model):
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     header["__metadata__"] = {**want, "crc32": "00000000"}  # filled in once the data is written
     text = json.dumps(header).encode()

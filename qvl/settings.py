@@ -45,7 +45,8 @@ class Settings:
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "answers"))
     cache_size: str = "auto"  # 5% of the free disk, at most 2 GiB
     model_cache: bool = True
-    model_cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "models"))
+    model_cache_dir: str = field(
+        default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "models"))
     kv_memory: str = "auto"  # an eighth of the RAM, at most 4 GiB (qvl.kv.auto_limit)
     feature_cache_size: str = "auto"  # as cache_size
     queue_size: int = 16

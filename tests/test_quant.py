@@ -22,7 +22,8 @@ def test_auto_resolves_to_a_concrete_mode_for_the_cpu_flags(flags, mode):
 
 @pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "auto"])
 def test_every_mode_loads_and_answers_through_the_engine(tiny_dir, mode):
-    engine = Engine(settings.parse(["--model", str(tiny_dir), "--quant", mode, "--no-cache", "--no-model-cache"], env={}))
+    flags = ["--model", str(tiny_dir), "--quant", mode, "--no-cache", "--no-model-cache"]
+    engine = Engine(settings.parse(flags, env={}))
     assert engine.fallback is None and engine.precision.startswith(quant.resolve(mode))
     *pieces, stats = engine.chat([Turn("user", "hi")], GenParams(greedy=True, max_new_tokens=5, min_new_tokens=5))
     assert stats.new_tokens == 5
