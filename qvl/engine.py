@@ -11,10 +11,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import DynamicCache, Qwen3VLProcessor
+from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-from qvl import features, generate, heap, images, kv, quant, texts, tiny
+from qvl import features, generate, heap, images, kv, modelcache, texts, tiny
 from qvl.cache import parse_size
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
@@ -23,9 +23,9 @@ log = logging.getLogger("qvl")
 TINY_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "tiny-v1"
 
 
-def _weights_version(model, source: str) -> str:
+def _weights_version(config, source: str) -> str:
     """The hub commit when there is one; for a local folder, a hash of each weight file's name, size and ends."""
-    commit = getattr(model.config, "_commit_hash", None)
+    commit = getattr(config, "_commit_hash", None)
     if commit:
         return commit
     digest = hashlib.sha256()
@@ -136,13 +136,15 @@ class Engine:
     def _load(self, source: str):
         self.folder = _local_copy(source)
         self.processor = ImageOnlyProcessor.from_pretrained(self.folder, backend="pil")
-        self.model, self.precision = quant.load_model(self.folder, self.settings.quant)
+        weights = _weights_version(AutoConfig.from_pretrained(self.folder), self.folder)
+        store = self.settings.model_cache_dir if self.settings.model_cache else None
+        self.model, self.precision = modelcache.load(self.folder, self.settings.quant, weights, store)
         self.model_id = source
         limit = self.model.config.text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context, limit)
         # What makes this engine's answers what they are; part of every answer-cache key. The context limit is in
         # it because near the limit it shortens the answer.
-        self.identity = f"{source}@{_weights_version(self.model, self.folder)}|{self.precision}|ctx{self.max_context}"
+        self.identity = f"{source}@{weights}|{self.precision}|ctx{self.max_context}"
 
     def set_threads(self, n: int):
         """Intra-op threads, applied from the next request on."""

@@ -25,6 +25,7 @@ from qvl import cpu, heap
 log = logging.getLogger("qvl")
 
 GROUP = 128  # int4 scale/zero group: 32 gains little accuracy on these weights and decodes 40% slower
+EMBEDDING = "model.language_model.embed_tokens"  # the token table, kept as a Bf16Embedding
 DECODE_ROWS = 8  # up to this many rows the int4 kernel is bandwidth-bound and wins; above, int8 compute wins
 
 
@@ -51,25 +52,37 @@ class Bf16Embedding(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Weight-only int4 (asymmetric, groups of GROUP) with bf16 activations; an optional fbgemm int8 twin for prefill."""
+    """Weight-only int4 (asymmetric, groups of GROUP) with bf16 activations; an optional fbgemm int8 twin for prefill.
 
-    def __init__(self, linear: nn.Linear, prefill: bool):
+    Built from its stored tensors (the model cache) or by quantize() from a float linear.
+    """
+
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, bias, out_features: int, prefill):
         super().__init__()
+        self.out_features, self.in_features = out_features, packed.shape[1] * 2  # two 4-bit values a byte
+        self.group = self.in_features // scale_zero.shape[0]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zero", scale_zero)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.prefill = prefill
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear, prefill: bool) -> "Int4Linear":
         w = linear.weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        self.group = min(GROUP, self.in_features)  # the tiny test model's layers are narrower than a group
+        out_features, in_features = w.shape
+        group = min(GROUP, in_features)  # the tiny test model's layers are narrower than a group
         # The kernel packs rows in blocks of 16: pad with zero rows (the tiny model's 270-token vocabulary).
-        w = F.pad(w, (0, 0, 0, -self.out_features % 16))
-        groups = w.reshape(w.shape[0], -1, self.group)
+        w = F.pad(w, (0, 0, 0, -out_features % 16))
+        groups = w.reshape(w.shape[0], -1, group)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         scale = (high - low).clamp(min=1e-8) / 15
         q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).reshape(w.shape)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # The kernel dequantizes as (q - 8) * scale + zero, so the zero point is the value of q = 8.
         zero = low + 8 * scale
-        self.register_buffer("scale_zero", torch.stack([scale, zero], -1).squeeze(2).transpose(0, 1).contiguous().bfloat16())
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float())
-        self.prefill = _dynamic_int8(linear) if prefill else None
+        scale_zero = torch.stack([scale, zero], -1).squeeze(2).transpose(0, 1).contiguous().bfloat16()
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        return cls(packed, scale_zero, bias, out_features, _dynamic_int8(linear) if prefill else None)
 
     def forward(self, x):
         flat = x.reshape(-1, self.in_features)
@@ -94,8 +107,16 @@ def _dynamic_int8(linear: nn.Linear) -> nn.Module:
         q[i:i + 4096] = (rows / scale[i:i + 4096, None].float()).round().clamp(-127, 127)
     qweight = torch._make_per_channel_quantized_tensor(q, scale, torch.zeros(w.shape[0], dtype=torch.long), 0)
     del q  # a copy: freed before fbgemm packs a third one
-    out = torch.ao.nn.quantized.dynamic.Linear(linear.in_features, linear.out_features, bias_=linear.bias is not None)
-    out.set_weight_bias(qweight, None if linear.bias is None else linear.bias.detach().float())
+    return fbgemm_linear(qweight, None if linear.bias is None else linear.bias.detach().float())
+
+
+def fbgemm_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A dynamic int8 linear around a per-channel int8 weight; fbgemm packs it into its own layout here."""
+    # Built 1x1 and then given its weight: at full size the constructor would first pack a zero weight, and
+    # fbgemm's packing is most of the time it takes to load a stored int8 model (a third of it, twice over).
+    out = torch.ao.nn.quantized.dynamic.Linear(1, 1, bias_=bias is not None)
+    out.out_features, out.in_features = qweight.shape
+    out.set_weight_bias(qweight, bias)
     return out
 
 
@@ -103,36 +124,47 @@ def _replace_linears(root: nn.Module, convert):
     """Swap every nn.Linear under root for convert(name, linear), one at a time, freeing each bf16 weight in turn."""
     for name, module in list(root.named_modules()):
         if isinstance(module, nn.Linear):
-            _swap(root, name, convert(name, module))
+            swap(root, name, convert(name, module))
 
 
-def _swap(root: nn.Module, name: str, new: nn.Module):
+def swap(root: nn.Module, name: str, new: nn.Module):
     parent, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent), child, new)
 
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32}
+# The checkpoint's dtypes, and the model cache's (int8 weights, packed int4 bytes, float64 per-channel scales).
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+          "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
 
 
-def _checkpoint_tensors(folder: str):
-    """Every (name, tensor) of the checkpoint's safetensors files, read with plain file reads, one at a time.
+def file_tensors(path: Path):
+    """Every (name, tensor) of one safetensors file, in file order, read with plain file reads, one at a time.
 
     from_pretrained memory-maps the files, and every page it touched stays resident, counted in the process's
     memory, until loading ends: 4.3 GB of bf16 on top of the quantized copies being made.
     """
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-            header.pop("__metadata__", None)
-            for name, meta in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
-                start, end = meta["data_offsets"]
-                f.seek(8 + size + start)
-                dtype = _DTYPES[meta["dtype"]]
-                data = bytearray(f.read(end - start))
-                yield name, torch.frombuffer(data, dtype=dtype).reshape(meta["shape"]) if data else torch.empty(
-                    meta["shape"], dtype=dtype)
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        for name, meta in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+            start, end = meta["data_offsets"]
+            f.seek(8 + size + start)
+            dtype = DTYPES[meta["dtype"]]
+            data = bytearray(f.read(end - start))
+            yield name, torch.frombuffer(data, dtype=dtype).reshape(meta["shape"]) if data else torch.empty(
+                meta["shape"], dtype=dtype)
 
+
+def _checkpoint_tensors(folder: str):
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        yield from file_tensors(path)
+
+
+def skeleton(folder: str) -> nn.Module:
+    """The model built from the folder's config, its weights allocated but never initialised (so not resident)."""
+    with no_init_weights():
+        return AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16).eval()
 
 
 def _load_converting(folder: str, convert) -> nn.Module:
@@ -141,11 +173,10 @@ def _load_converting(folder: str, convert) -> nn.Module:
     The skeleton's weights are never initialised (untouched memory is not resident), so the process holds the
     converted model plus one layer, never a full bf16 copy. Raises KeyError for a checkpoint laid out otherwise.
     """
-    config = AutoConfig.from_pretrained(folder)
-    with no_init_weights():
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).eval()
+    model = skeleton(folder)
+    config = model.config
     expected, loaded = set(model.state_dict()), set()
-    embedding = "model.language_model.embed_tokens.weight"
+    embedding = EMBEDDING + ".weight"
     for name, tensor in _checkpoint_tensors(folder):
         if name not in expected:
             raise KeyError(f"unexpected checkpoint tensor {name}")
@@ -161,10 +192,10 @@ def _load_converting(folder: str, convert) -> nn.Module:
         if name == embedding and config.tie_word_embeddings:
             # The head is the token table: quantize it now, while little else is resident (it needs ~1 GB of room).
             model.lm_head.weight = module.weight
-            _swap(model, "lm_head", convert("lm_head", model.lm_head))
+            swap(model, "lm_head", convert("lm_head", model.lm_head))
             loaded.add("lm_head.weight")
         elif isinstance(module, nn.Linear) and {f"{module_name}.{p}" for p, v in module._parameters.items() if v is not None} <= loaded:
-            _swap(model, module_name, convert(module_name, module))
+            swap(model, module_name, convert(module_name, module))
         heap.trim()
     if missing := expected - loaded:
         raise KeyError(f"checkpoint lacks {sorted(missing)[:3]}")
@@ -186,7 +217,15 @@ def _int8(name: str, linear: nn.Linear) -> nn.Module:
 def _int4(name: str, linear: nn.Linear) -> nn.Module:
     if name.startswith("model.visual."):  # the vision tower only ever prefills: fbgemm int8 is fastest there
         return _dynamic_int8(linear)
-    return Int4Linear(linear, prefill=name != "lm_head")  # the head's prefill needs only the last row's logits
+    return Int4Linear.quantize(linear, prefill=name != "lm_head")  # the head's prefill needs only the last row's logits
+
+
+def describe(mode: str) -> str:
+    """The precision/quantization of a concrete mode, as the engine reports it (and puts in its identity)."""
+    return {
+        "int8": "int8: fbgemm dynamic int8 linears and head, embedding bf16",
+        "int4": f"int4: vision fbgemm int8, text int4 g{GROUP} decode + int8 prefill, head int4, embedding bf16",
+    }.get(mode, mode)
 
 
 def load_model(source: str, mode: str):
@@ -194,7 +233,7 @@ def load_model(source: str, mode: str):
     mode = resolve(mode)
     if mode in ("fp32", "bf16"):
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
-        return AutoModelForImageTextToText.from_pretrained(source, dtype=dtype).eval(), mode
+        return AutoModelForImageTextToText.from_pretrained(source, dtype=dtype).eval(), describe(mode)
     convert = _int8 if mode == "int8" else _int4
     try:
         model = _load_converting(source, convert)
@@ -207,6 +246,4 @@ def load_model(source: str, mode: str):
     # bf16 gather (fp32 would add 1.2 GB for a lookup of one row per token).
     text.embed_tokens = Bf16Embedding(text.embed_tokens.weight)
     _float_rest(model)
-    if mode == "int8":
-        return model, "int8: fbgemm dynamic int8 linears and head, embedding bf16"
-    return model, f"int4: vision fbgemm int8, text int4 g{GROUP} decode + int8 prefill, head int4, embedding bf16"
+    return model, describe(mode)

@@ -44,6 +44,9 @@ class Settings:
     cache: bool = True
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "answers"))
     cache_size: str = "auto"  # 5% of the free disk, at most 2 GiB
+    model_cache: bool = True
+    model_cache_dir: str = field(
+        default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "models"))
     kv_memory: str = "auto"  # an eighth of the RAM, at most 4 GiB (qvl.kv.auto_limit)
     feature_cache_size: str = "auto"  # as cache_size
     queue_size: int = 16
@@ -87,6 +90,9 @@ _HELP = {
     "cache": "answer cache on disk (--no-cache turns it off)",
     "cache_dir": "answer cache folder",
     "cache_size": "answer cache size limit, e.g. 500MB, 2GB; auto is 5% of the free disk, at most 2GB",
+    "model_cache": "keep the quantized model on disk so later starts load it instead of converting the checkpoint "
+                   "(int8, int4; about the quantized model's size) (--no-model-cache turns it off)",
+    "model_cache_dir": "folder of the kept quantized models",
     "kv_memory": "memory for the KV caches of recent conversations, so a follow-up, Regenerate or a new question "
                  "about a seen image prefills only what is new, e.g. 1GB; auto is an eighth of the RAM, at most 4GB; "
                  "0 turns reuse off",

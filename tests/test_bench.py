@@ -29,18 +29,20 @@ def test_decode_bytes_shrink_with_quantization(tiny_dir):
 def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows", "fp32,auto", "--runs", "1",
+        [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows", "fp32,auto,auto-warm", "--runs", "1",
          "--json", str(out), "--scenarios", "regenerate"], capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["machine"]["bandwidth_gb_s"] > 0
-    assert [r["name"] for r in data["rows"]] == ["fp32", "auto"]
+    assert [r["name"] for r in data["rows"]] == ["fp32", "auto", "auto-warm"]
     for row in data["rows"]:
-        assert {"load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "sqnr_db", "kl", "top1_agreement"} <= set(row)
+        assert {"ready_s", "load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "sqnr_db", "kl",
+                "top1_agreement"} <= set(row)
         assert row["new_tokens"] == bench.NEW_TOKENS and row["image_tokens"] == 300
         assert [s["name"] for s in row["scenarios"]] == ["regenerate"]
     assert math.isinf(data["rows"][0]["sqnr_db"]) and data["rows"][1]["sqnr_db"] < 60
+    assert data["rows"][2]["sqnr_db"] == data["rows"][1]["sqnr_db"]  # the second start holds the same model
     assert "| fp32 |" in result.stdout and "| auto |" in result.stdout and "| auto | regenerate |" in result.stdout
 
 

@@ -22,7 +22,8 @@ def test_auto_resolves_to_a_concrete_mode_for_the_cpu_flags(flags, mode):
 
 @pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "auto"])
 def test_every_mode_loads_and_answers_through_the_engine(tiny_dir, mode):
-    engine = Engine(settings.parse(["--model", str(tiny_dir), "--quant", mode, "--no-cache"], env={}))
+    flags = ["--model", str(tiny_dir), "--quant", mode, "--no-cache", "--no-model-cache"]
+    engine = Engine(settings.parse(flags, env={}))
     assert engine.fallback is None and engine.precision.startswith(quant.resolve(mode))
     *pieces, stats = engine.chat([Turn("user", "hi")], GenParams(greedy=True, max_new_tokens=5, min_new_tokens=5))
     assert stats.new_tokens == 5
@@ -34,10 +35,10 @@ def test_int4_linear_stays_close_to_the_float_layer():
     x = torch.randn(3, 256)
     want = linear(x)
     for rows in (x[:1], x):  # one row takes the int4 kernel, more than DECODE_ROWS would take the int8 twin
-        got = quant.Int4Linear(linear, prefill=True)(rows)
+        got = quant.Int4Linear.quantize(linear, prefill=True)(rows)
         assert got.shape == linear(rows).shape
         assert (got - linear(rows)).norm() / linear(rows).norm() < 0.1
-    assert not torch.allclose(quant.Int4Linear(linear, prefill=False)(x), want, atol=1e-6)  # it is quantized
+    assert not torch.allclose(quant.Int4Linear.quantize(linear, prefill=False)(x), want, atol=1e-6)  # it is quantized
 
 
 def _sharp(model):

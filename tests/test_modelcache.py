@@ -1,0 +1,106 @@
+import json
+import logging
+
+import pytest
+import torch
+
+from qvl import modelcache, quant, settings
+from qvl.engine import Engine, Turn
+from qvl.settings import GenParams
+
+QUESTION = [Turn("user", "describe a red square")]
+PARAMS = GenParams(greedy=True, max_new_tokens=12, min_new_tokens=12)
+
+
+def _start(tiny_dir, mode, *flags):
+    return Engine(settings.parse(["--model", str(tiny_dir), "--quant", mode, "--no-cache", "--feature-cache-size", "0",
+                                  *flags], env={}))
+
+
+def _answer(engine):
+    *pieces, stats = engine.chat(QUESTION, PARAMS)
+    return "".join(pieces)
+
+
+def _files(folder):
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+@pytest.fixture
+def converting(monkeypatch):
+    """Counts the starts that converted the checkpoint instead of reading the model cache."""
+    calls = []
+    real = quant.load_model
+    monkeypatch.setattr(quant, "load_model", lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_path, mode, converting, caplog):
+    caplog.set_level(logging.INFO, "qvl")
+    store = ["--model-cache-dir", str(tmp_path / "models")]
+    first = _start(tiny_dir, mode, *store)
+    [name] = _files(tmp_path / "models")
+    assert len(converting) == 1 and name.startswith(f"{mode}-") and name.endswith(".safetensors")
+    second = _start(tiny_dir, mode, *store)
+    assert len(converting) == 1 and "from the model cache" in caplog.text  # read, not converted
+    assert second.precision == first.precision and second.identity == first.identity
+    assert _answer(second) == _answer(first)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])  # more rows than DECODE_ROWS: int4's prefill twin
+    with torch.inference_mode():
+        for rows in (ids[:, :1], ids):
+            assert torch.equal(second.model(input_ids=rows).logits, first.model(input_ids=rows).logits)
+
+
+def _corrupt(file):
+    data = bytearray(file.read_bytes())
+    data[-100] ^= 0xFF  # one weight byte
+    file.write_bytes(bytes(data))
+
+
+def _truncate(file):
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def _foreign(file):
+    data = file.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    header["__metadata__"]["torch"] = "1.0.0"  # kept by another torch: its packed layouts may differ
+    text = json.dumps(header).encode().ljust(size)
+    file.write_bytes(data[:8] + text + data[8 + size:])
+
+
+@pytest.mark.parametrize("spoil", [_corrupt, _truncate, _foreign])
+def test_a_spoiled_file_is_ignored_with_a_log_line_and_rebuilt(tiny_dir, tmp_path, spoil, converting, caplog):
+    store = ["--model-cache-dir", str(tmp_path)]
+    want = _answer(_start(tiny_dir, "int8", *store))
+    [file] = tmp_path.iterdir()
+    spoil(file)
+    assert _answer(_start(tiny_dir, "int8", *store)) == want
+    assert len(converting) == 2 and caplog.text.count("ignoring the model cache file") == 1
+    assert _answer(_start(tiny_dir, "int8", *store)) == want
+    assert len(converting) == 2  # the rebuilt file is good again
+
+
+def test_an_unwritable_folder_only_costs_the_kept_copy(tiny_dir, tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the folder would be")
+    engine = _start(tiny_dir, "int8", "--model-cache-dir", str(blocker / "models"))
+    assert engine.fallback is None and _answer(engine)
+    assert "could not keep the converted model" in caplog.text
+
+
+def test_no_model_cache_writes_nothing_and_fp32_has_nothing_to_keep(tiny_dir, tmp_path, converting):
+    _start(tiny_dir, "int8", "--no-model-cache", "--model-cache-dir", str(tmp_path / "a"))
+    _start(tiny_dir, "fp32", "--model-cache-dir", str(tmp_path / "b"))
+    assert _files(tmp_path / "a") == _files(tmp_path / "b") == []
+
+
+def test_a_crash_mid_write_leaves_no_file_a_later_start_trusts(tiny_dir, tmp_path, monkeypatch):
+    model, _ = quant.load_model(str(tiny_dir), "int8")
+    file = modelcache.path(str(tmp_path), "v", "int8")
+    monkeypatch.setattr(modelcache.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError):
+        modelcache._write(file, model, modelcache.key("v", "int8"))
+    assert _files(tmp_path) == []
