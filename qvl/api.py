@@ -17,7 +17,7 @@ def wire(conversation: gr.State, session: list, answerer):
                   use_cache: bool, max_image_tokens: int, max_new_tokens: int, temperature: float, top_p: float,
                   top_k: int, greedy: bool, seed: int):
         """Answer a question about images, continuing this client's conversation. Streams (answer, status)."""
-        lang = texts.language(request.headers.get("accept-language"))
+        lang = texts.language(request)
         user = {"role": "user", "text": question or "", "images": list(images or [])}
         params = answerer.params((max_image_tokens, max_new_tokens, temperature, top_p, top_k, greedy, seed))
         turns = answers.turns(conversation + [user])

@@ -60,7 +60,7 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
         """Answer the pending question at the end of the conversation, filling a new assistant entry as it comes."""
 
         async def respond(request: gr.Request, conversation: list, use_cache: bool, *values):
-            lang = texts.language(request.headers.get("accept-language"))
+            lang = texts.language(request)
             if not conversation or not conversation[-1].get("pending"):
                 yield gr.skip(), gr.skip()
                 return
@@ -85,7 +85,7 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
         return respond
 
     def ask(conversation: list, shown: list, request: gr.Request, text: str, files: list):
-        lang = texts.language(request.headers.get("accept-language"))
+        lang = texts.language(request)
         if shown and not conversation:  # past --max-sessions Gradio dropped this session's state: say so
             conversation = [{"role": "assistant", "text": "", "images": [], "failed": True,
                              "note": texts.say(lang, "forgotten")}]
@@ -106,7 +106,7 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
         """Keep what was said so far, marked as stopped; an answer that had not begun is dropped."""
         last = conversation[-1] if conversation else {}
         if last.get("role") == "assistant" and not last.get("done") and not last.get("failed"):
-            stopped = dict(last, note=texts.say(texts.language(request.headers.get("accept-language")), "stopped"))
+            stopped = dict(last, note=texts.say(texts.language(request), "stopped"))
             conversation = conversation[:-1] + ([stopped] if last["text"] else [])
         return conversation, render(conversation), asking(True)
 

@@ -65,11 +65,8 @@ def wire(parts: dict, tab: gr.Tab, demo: gr.Blocks, engine, cache, settings):
     def is_operator(request: gr.Request) -> bool:
         return settings.private or getattr(request, "username", None) in settings.admin_names
 
-    def lang(request: gr.Request) -> str:
-        return texts.language(request.headers.get("accept-language"))
-
     def facts(request: gr.Request) -> str:
-        text, operator = texts.TEXT[lang(request)], is_operator(request)
+        text, operator = texts.TEXT[texts.language(request)], is_operator(request)
         flags = " ".join(f"{name} {'✓' if name in cpu.flags() else '✗'}" for name in INSTRUCTION_SETS)
         versions = " · ".join(f"{p} {_version(p)}" for p in ("torch", "transformers", "gradio"))
         threads = text["fact_threads_value"].format(
@@ -86,7 +83,7 @@ def wire(parts: dict, tab: gr.Tab, demo: gr.Blocks, engine, cache, settings):
         return "\n".join(f"- **{text[k]}**: {v}" for k, v in rows)
 
     def cache_status(request: gr.Request) -> str:
-        text, info = texts.TEXT[lang(request)], cache.info()
+        text, info = texts.TEXT[texts.language(request)], cache.info()
         state = text["broken"] if info["error"] else text["on"] if info["enabled"] else text["off"]
         line = text["cache_line"].format(state=state, entries=info["entries"], size=info["size_bytes"] / 1e6,
                                          hits=info["hits"], misses=info["misses"])
@@ -115,14 +112,14 @@ def wire(parts: dict, tab: gr.Tab, demo: gr.Blocks, engine, cache, settings):
         if is_operator(request):
             engine.set_threads(int(n))
         else:  # the slider is read-only for them; a crafted request changes nothing either
-            gr.Warning(texts.say(lang(request), "not_operator"))
+            gr.Warning(texts.say(texts.language(request), "not_operator"))
         return gr.Slider(value=engine.threads), facts(request)
 
     def clear_cache(request: gr.Request):
         if is_operator(request):
             cache.clear()
         else:
-            gr.Warning(texts.say(lang(request), "not_operator"))
+            gr.Warning(texts.say(texts.language(request), "not_operator"))
         return gr.Row(visible=False), cache_status(request)
 
     private = dict(api_visibility="private")

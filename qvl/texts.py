@@ -135,9 +135,11 @@ TEXT = {
 LANGUAGES = tuple(TEXT)
 
 
-def language(accept_language: str | None) -> str:
-    """The language to answer in, from the browser's Accept-Language header: Chinese for zh*, else English."""
-    return "zh-CN" if (accept_language or "").strip().lower().startswith("zh") else "en"
+def language(request) -> str:
+    """The language to answer a request in (a gr.Request), from its Accept-Language header: Chinese for zh*, else
+    English."""
+    accept = request.headers.get("accept-language", "") if request is not None else ""
+    return "zh-CN" if (accept or "").strip().lower().startswith("zh") else "en"
 
 
 def say(lang: str, key: str, **params) -> str:

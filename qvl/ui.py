@@ -93,7 +93,7 @@ def build(engine, cache, settings) -> gr.Blocks:
         api.wire(conversation, session, answerer)
 
         def in_their_language(request: gr.Request):
-            return chat_tab.welcome(texts.language(request.headers.get("accept-language")))
+            return chat_tab.welcome(texts.language(request))
 
         demo.load(in_their_language, None, chatbot, api_visibility="private")
 
