@@ -99,7 +99,7 @@ def wire(parts: dict, tab: gr.Tab, demo: gr.Blocks, engine, cache, settings):
         return text["memory_line"].format(
             state=text["on"] if talks else text["memory_off"], entries=talks.get("entries", 0),
             size=talks.get("bytes", 0) / 1e6, limit=talks.get("limit_bytes", 0) / 1e6,
-            reused=talks.get("reused_tokens", 0), features=features,
+            hits=talks.get("hits", 0), reused=talks.get("reused_tokens", 0), features=features,
             feature_hits=(pictures or {}).get("hits", 0))
 
     def page(request: gr.Request):

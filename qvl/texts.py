@@ -44,7 +44,7 @@ TEXT = {
         "truncated": "hit the max-new-tokens limit",
         "reused": "{tokens} of {prompt} prompt tokens reused", "features_cached": "image features from cache ({count})",
         "memory_line": "Conversation memory: {state} · {entries} kept · {size:.0f} of {limit:.0f} MB · "
-                       "{reused} prompt tokens reused\n\nImage features: {features} · {feature_hits} hits",
+                       "{hits} hits · {reused} prompt tokens reused\n\nImage features: {features} · {feature_hits} hits",
         "features_line": "{memory} in memory, {disk} on disk", "memory_off": "off",
         "cache_line": "{state} · {entries} answers · {size:.1f} MB · {hits} hits · {misses} misses",
         "on": "on", "off": "off", "broken": "unusable, answering without it",
@@ -106,7 +106,7 @@ TEXT = {
         "truncated": "已达最大生成长度",
         "reused": "复用了提示中 {prompt} 个 token 里的 {tokens} 个", "features_cached": "图片特征来自缓存（{count} 张）",
         "memory_line": "对话记忆：{state} · 保留 {entries} 段 · {size:.0f} / {limit:.0f} MB · "
-                       "已复用 {reused} 个提示 token\n\n图片特征：{features} · 命中 {feature_hits}",
+                       "命中 {hits} · 已复用 {reused} 个提示 token\n\n图片特征：{features} · 命中 {feature_hits}",
         "features_line": "内存中 {memory} 个，磁盘上 {disk} 个", "memory_off": "关闭",
         "cache_line": "{state} · {entries} 条回答 · {size:.1f} MB · 命中 {hits} · 未命中 {misses}",
         "on": "开启", "off": "关闭", "broken": "不可用，暂不使用缓存",

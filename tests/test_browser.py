@@ -113,6 +113,7 @@ def test_upload_ask_stream_stop_and_change_threads(browser, app):
     page.wait_for_selector("#facts >> text=2 intra-op")
     assert page.locator("#facts >> text=Answer cache folder").count() == 1
     assert page.locator("#cache-status >> text=Conversation memory: on").count() == 1
+    assert "hits" in page.locator("#cache-status").inner_text().split("Conversation memory:")[1]
     shoot(page, "screenshot-settings.png", full_page=True)
 
 
