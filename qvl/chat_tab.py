@@ -130,17 +130,20 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
     private = dict(api_visibility="private")
     streamed = dict(inputs=session, outputs=[conversation, chatbot], concurrency_limit=None, show_progress="hidden",
                     **private)
-    reopen = dict(fn=lambda: asking(True), outputs=box, **private)
-    asked = box.submit(add_user, [box, conversation, chatbot], shown, queue=False, **private)
+    # The small state changes around an answer skip Gradio's queue: queued, they wait behind any other session's
+    # queued event in the default group (concurrency 1), and a progress overlay covers the chat meanwhile.
+    light = dict(queue=False, show_progress="hidden", **private)
+    reopen = dict(fn=lambda: asking(True), outputs=box, **light)
+    asked = box.submit(add_user, [box, conversation, chatbot], shown, **light)
     asked = asked.then(answering(fresh=False), **streamed)
     asked.then(**reopen)
-    picked = chatbot.example_select(add_example, [conversation, chatbot], shown, queue=False, **private)
+    picked = chatbot.example_select(add_example, [conversation, chatbot], shown, **light)
     picked = picked.then(answering(fresh=False), **streamed)
     picked.then(**reopen)
-    redone = chatbot.retry(drop_answer, conversation, shown, queue=False, **private)
+    redone = chatbot.retry(drop_answer, conversation, shown, **light)
     redone = redone.then(answering(fresh=True), **streamed)
     redone.then(**reopen)
     running = [asked, picked, redone]
-    box.stop(None, cancels=running, **private).then(after_stop, conversation, shown, **private)
-    chatbot.undo(undo, conversation, shown, cancels=running, **private)
-    chatbot.clear(lambda: ([], [], asking(True, value=None)), None, shown, cancels=running, **private)
+    box.stop(None, cancels=running, **private).then(after_stop, conversation, shown, **light)
+    chatbot.undo(undo, conversation, shown, cancels=running, **light)
+    chatbot.clear(lambda: ([], [], asking(True, value=None)), None, shown, cancels=running, **light)
