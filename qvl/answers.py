@@ -44,6 +44,7 @@ class Answerer:
         self.upload_limit = parse_size(settings.max_file_size)
         self.identity = engine.identity  # hashes weight files: once, not per request
         self._kinds = {f.name: f.type for f in dataclasses.fields(settings.gen)}
+        self._releasing: set[asyncio.Task] = set()  # held here: the event loop keeps only weak references
 
     def params(self, values) -> object:
         """GenParams from a session's PARAMS values (sliders send floats; an emptied number box keeps the default)."""
@@ -70,33 +71,44 @@ class Answerer:
             if hit is not None:
                 yield Update(text=hit.text, stats=hit.stats, cached_in=time.perf_counter() - start)
                 return
-        ticket = self.line.join()
+        ticket, pieces, step = self.line.join(), None, None
         try:
             while ahead := self.line.ahead(ticket):
                 yield Update(ahead=ahead)
                 await self.line.moved(timeout=1.0)
-            pieces, step, text, shown = self.engine.chat(turns, params), None, "", 0.0
-            try:
-                while True:
-                    # Shielded: a cancelled await (Stop) must not leave next() running when the finally closes it.
-                    step = asyncio.ensure_future(asyncio.to_thread(next, pieces, None))
-                    item = await asyncio.shield(step)
-                    if not isinstance(item, str):
-                        break
-                    text += item
-                    # A fast model would send a browser 100 re-renders a second; 20 look the same and cost it less.
-                    if time.monotonic() - shown >= 0.05:
-                        shown = time.monotonic()
-                        yield Update(text=text)
-            finally:
-                if step is not None:
-                    await asyncio.wait([step])
-                await asyncio.to_thread(pieces.close)  # stops generation within one step; frees the engine
-        finally:
-            self.line.leave(ticket)
+            pieces, text, shown = self.engine.chat(turns, params), "", 0.0
+            while True:
+                # Shielded: a cancelled await (Stop, a gone client) leaves next() to finish in _release, never
+                # closes the generator under a running step.
+                step = asyncio.ensure_future(asyncio.to_thread(next, pieces, None))
+                item = await asyncio.shield(step)
+                if not isinstance(item, str):
+                    break
+                text += item
+                # A fast model would send a browser 100 re-renders a second; 20 look the same and cost it less.
+                if time.monotonic() - shown >= 0.05:
+                    shown = time.monotonic()
+                    yield Update(text=text)
+        except BaseException:
+            # Whoever stopped the answer does not wait for the engine's current step (a prefill takes seconds): it is
+            # freed in the background, and the next in line starts once it is.
+            task = asyncio.ensure_future(self._release(ticket, pieces, step))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+            raise
+        await self._release(ticket, pieces, step)
         if key is not None:
             await asyncio.to_thread(cache.put, key, text, item)
         yield Update(text=text, stats=dataclasses.asdict(item))
+
+    async def _release(self, ticket, pieces, step):
+        try:
+            if step is not None:
+                await asyncio.wait([step])
+            if pieces is not None:
+                await asyncio.to_thread(pieces.close)  # stops generation within one step; frees the engine
+        finally:
+            self.line.leave(ticket)
 
 
 def problem(lang: str, error: Exception) -> str:

@@ -3,6 +3,7 @@
 A conversation is a list of entries {"role", "text", "images", "note"} kept in a gr.State; a user entry marked
 "pending" is one waiting for its answer, an entry marked "failed" is shown but never sent to the model.
 """
+import asyncio
 import contextlib
 import random
 from dataclasses import replace
@@ -53,17 +54,39 @@ def draw(i18n: gr.I18n) -> tuple[gr.Chatbot, gr.MultimodalTextbox]:
     return chatbot, box
 
 
+async def until(stop: asyncio.Future, updates):
+    """An answer's updates until `stop` is done, which ends them at once, even during a prefill of several seconds."""
+    step = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(updates, None))
+            await asyncio.wait([step, stop], return_when=asyncio.FIRST_COMPLETED)
+            if not step.done() or (update := step.result()) is None:
+                return
+            yield update
+    finally:
+        if step is not None and not step.done():
+            step.cancel()  # the answer leaves the engine to finish its step in the background: this returns promptly
+            await asyncio.wait([step])
+
+
 def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State, session: list, answerer):
     """The tab's events. session: the inputs that make a request (conversation, use_cache, the PARAMS controls)."""
+
+    # Stop ends an answer from inside its event rather than through Gradio's `cancels`, whose race with the stream
+    # left an "Error" overlay over the chat in a CI run. A session's entry is a future whose result says why the
+    # answer ends ("stop" or "clear"); asking anew drops a stale one.
+    stops: dict[str, asyncio.Future] = {}
 
     def answering(fresh: bool):
         """Answer the pending question at the end of the conversation, filling a new assistant entry as it comes."""
 
         async def respond(request: gr.Request, conversation: list, use_cache: bool, *values):
-            lang = texts.language(request)
+            lang, session = texts.language(request), request.session_hash
             if not conversation or not conversation[-1].get("pending"):
                 yield gr.skip(), gr.skip()
                 return
+            stop = stops.setdefault(session, asyncio.get_running_loop().create_future())  # Stop may come first
             params = answerer.params(values)
             if fresh:  # Regenerate: a new sample, never the cached one
                 params = replace(params, seed=random.randrange(2**31))
@@ -72,20 +95,47 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
             turns = answers.turns(conversation[:-1])
             try:
                 async with contextlib.aclosing(answerer.answer(turns, params, use_cache, fresh)) as updates:
-                    async for update in updates:
+                    async for update in until(stop, updates):
                         reply["text"], reply["done"] = update.text, update.stats is not None
                         reply["note"] = answers.stats_line(lang, update) if update.stats else (
                             texts.say(lang, "waiting", ahead=update.ahead) if update.ahead else "")
                         yield conversation, render(conversation)
+                if stop.done():
+                    conversation = [] if stop.result() == "clear" else stopped(conversation, lang)
+                    yield conversation, render(conversation)
             except Exception as e:
                 note = "⚠ " + answers.problem(lang, e)
                 conversation[-2:] = [dict(conversation[-2], failed=True), dict(reply, note=note, failed=True)]
                 yield conversation, render(conversation)
+            finally:
+                if stops.get(session) is stop:
+                    del stops[session]
 
         return respond
 
+    def stopped(conversation: list, lang: str) -> list:
+        """Keep what was said so far, marked as stopped; an answer that had not begun is dropped."""
+        last = conversation[-1] if conversation else {}
+        if last.get("role") == "assistant" and not last.get("done") and not last.get("failed"):
+            marked = dict(last, note=texts.say(lang, "stopped"))
+            conversation = conversation[:-1] + ([marked] if last["text"] else [])
+        return conversation
+
+    def end_answer(request: gr.Request, why: str):
+        stop = stops.setdefault(request.session_hash, asyncio.get_running_loop().create_future())
+        if not stop.done():
+            stop.set_result(why)
+
+    async def stop_answer(request: gr.Request):  # async: it runs on the event loop, which owns the futures
+        end_answer(request, "stop")
+
+    async def clear(request: gr.Request):
+        end_answer(request, "clear")
+        return [], [], asking(True, value=None)
+
     def ask(conversation: list, shown: list, request: gr.Request, text: str, files: list):
         lang = texts.language(request)
+        stops.pop(request.session_hash, None)  # a Stop from before this question is not for its answer
         if shown and not conversation:  # past --max-sessions Gradio dropped this session's state: say so
             conversation = [{"role": "assistant", "text": "", "images": [], "failed": True,
                              "note": texts.say(lang, "forgotten")}]
@@ -102,16 +152,9 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
         files = [f["path"] if isinstance(f, dict) else f for f in picked.value.get("files", [])]
         return ask(conversation, shown, request, picked.value.get("text", ""), files)
 
-    def after_stop(conversation: list, request: gr.Request):
-        """Keep what was said so far, marked as stopped; an answer that had not begun is dropped."""
-        last = conversation[-1] if conversation else {}
-        if last.get("role") == "assistant" and not last.get("done") and not last.get("failed"):
-            stopped = dict(last, note=texts.say(texts.language(request), "stopped"))
-            conversation = conversation[:-1] + ([stopped] if last["text"] else [])
-        return conversation, render(conversation), asking(True)
-
-    def drop_answer(conversation: list):
+    def drop_answer(conversation: list, request: gr.Request):
         """Regenerate's first step: the last question without its answer, pending again even if it failed."""
+        stops.pop(request.session_hash, None)
         while conversation and conversation[-1]["role"] == "assistant":
             conversation = conversation[:-1]
         if conversation:
@@ -143,7 +186,7 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
     redone = chatbot.retry(drop_answer, conversation, shown, **light)
     redone = redone.then(answering(fresh=True), **streamed)
     redone.then(**reopen)
-    running = [asked, picked, redone]
-    box.stop(None, cancels=running, **private).then(after_stop, conversation, shown, **light)
-    chatbot.undo(undo, conversation, shown, cancels=running, **light)
-    chatbot.clear(lambda: ([], [], asking(True, value=None)), None, shown, cancels=running, **light)
+    # Undo and Retry are the Chatbot's own icons, disabled while an answer is written; Clear is not, so it ends one.
+    box.stop(stop_answer, **light)
+    chatbot.undo(undo, conversation, shown, **light)
+    chatbot.clear(clear, None, shown, **light)

@@ -69,7 +69,7 @@ def shoot(page, name: str, **options):
 def stop(page):
     page.locator("#ask button.stop-button").click()
     page.wait_for_function("() => [...document.querySelectorAll('#chatbot [data-testid=bot]')].pop()"
-                           ".innerText.trim().endsWith('stopped')")
+                           "?.innerText.trim().endsWith('stopped')")
     page.wait_for_selector("#ask button.submit-button")  # send is back in place of stop
 
 
@@ -139,10 +139,14 @@ def test_regenerate_undo_and_clear_are_the_chats_own_quiet_actions(browser, app)
     send(page, "First try?")
     first = wait_for_growing_answer(page)
     assert page.locator("#chatbot button[aria-label=Retry]").is_disabled()  # not while answering
+    assert page.locator("#chatbot button[aria-label=Undo]").is_disabled()
     stop(page)
+    assert page.locator("#chatbot [data-testid=status-tracker]", has_text="Error").count() == 0
     page.locator("#chatbot button[aria-label=Retry]").click()  # a fresh sample of the same question
+    # The new sample's own text: neither the stopped one still shown nor the line it waits in behind that one's step.
     page.wait_for_function("t => { const b = [...document.querySelectorAll('#chatbot [data-testid=bot]')];"
-                           " return b.length == 1 && b[0].innerText.length > 0 && !t.startsWith(b[0].innerText) }",
+                           " const s = b[0]?.innerText.trim() ?? ''; return b.length == 1 && s.length > 0"
+                           " && !t.startsWith(s) && !s.startsWith('Waiting in line') && !s.endsWith('stopped') }",
                            arg=first)
     stop(page)
     assert page.locator('#chatbot [data-testid="user"]').count() == 1
@@ -151,9 +155,12 @@ def test_regenerate_undo_and_clear_are_the_chats_own_quiet_actions(browser, app)
     assert page.locator('#chatbot [data-testid="user"]').count() == 0
     send(page, "Second try?")
     wait_for_growing_answer(page)
-    stop(page)
-    page.locator("#chatbot button[aria-label=Clear]").click()
+    page.locator("#chatbot button[aria-label=Clear]").click()  # while answering: it ends the answer too
     page.wait_for_selector("#chatbot >> text=Ask anything about a picture")
+    page.wait_for_selector("#ask button.submit-button")
+    time.sleep(1)
+    assert page.locator('#chatbot [data-testid="bot"]').count() == 0  # nothing more arrives
+    assert page.locator("#chatbot [data-testid=status-tracker]", has_text="Error").count() == 0
 
 
 def test_the_page_speaks_the_browsers_language(browser, app, tmp_path):
