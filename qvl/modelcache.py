@@ -16,6 +16,7 @@ The file is read with plain reads into memory, not memory-mapped: fbgemm copies 
 layout, and a mapping would keep the source pages resident beside the copy. So loading holds the stored tensors
 plus one packed layer at most, the same peak as converting.
 """
+import functools
 import json
 import logging
 import os
@@ -126,10 +127,16 @@ def _read(file: Path, source: str, want: dict) -> nn.Module:
     if f"{crc:08x}" != metadata["crc32"]:
         raise ValueError("data does not match its CRC-32")
     model = quant.skeleton(source)
-    for prefix, module in list(model.named_modules()):
+    modules = list(model.named_modules())
+    linears = [(prefix, functools.partial(_linear, tensors, prefix, module.out_features))
+               for prefix, module in modules if isinstance(module, nn.Linear)]
+    for prefix, converted in quant.side_by_side(linears):
+        quant.swap(model, prefix, converted)
+        heap.trim()
+    for prefix, module in modules:
         if isinstance(module, nn.Linear):
-            quant.swap(model, prefix, _linear(tensors, prefix, module.out_features))
-        elif prefix == quant.EMBEDDING:
+            continue
+        if prefix == quant.EMBEDDING:
             quant.swap(model, prefix, quant.Bf16Embedding(tensors.pop(f"{prefix}.weight")))
         else:
             for name in [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]:

@@ -123,3 +123,20 @@ def test_an_unknown_checkpoint_layout_is_loaded_whole_instead(tiny_dir, tmp_path
     model, precision = quant.load_model(str(tmp_path / "odd"), "int8")
     assert "loading the checkpoint whole" in caplog.text and precision.startswith("int8")
     assert _logits(model).shape[-1] == model.config.text_config.vocab_size
+
+
+def test_linears_convert_side_by_side_in_order_with_a_bounded_number_in_flight():
+    both_running = threading.Barrier(2, timeout=10)  # broken (an error) unless two jobs run at the same time
+    started = []
+
+    def job(i):
+        started.append(i)
+        if i < 2:
+            both_running.wait()
+        return i * i
+
+    results = []
+    for name, value in quant.side_by_side(((f"linear{i}", lambda i=i: job(i)) for i in range(6)), workers=2):
+        results.append((name, value))
+        assert len(started) <= len(results) + 2  # at most workers + 1 in flight, counting the one handed back
+    assert results == [(f"linear{i}", i * i) for i in range(6)]
