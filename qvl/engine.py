@@ -73,7 +73,7 @@ class ImageOnlyProcessor(Qwen3VLProcessor):
 
 @dataclass(frozen=True)
 class Turn:
-    role: str  # "user" or "assistant"
+    role: str  # "user" or "assistant"; "system" as the first turn
     text: str = ""
     images: tuple = ()  # paths, bytes or PIL images, shown before the text
 
@@ -309,8 +309,9 @@ class Engine:
     def _inputs(self, turns: list[Turn], params: GenParams) -> tuple[dict, int]:
         """Tokenize the conversation and preprocess its images, refusing an oversized one before pixel work."""
         messages, pictures = [], []
-        for turn in turns:
-            if turn.role not in ("user", "assistant"):
+        for i, turn in enumerate(turns):
+            # Qwen's chat template takes a system message only first, and text only.
+            if turn.role not in ("user", "assistant") and not (turn.role == "system" and i == 0 and not turn.images):
                 raise InputError("bad_role", role=turn.role)
             content = []
             for source in turn.images:

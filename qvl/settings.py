@@ -8,6 +8,7 @@ from qvl import cpu
 from qvl.cache import parse_size
 
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+SECRETS = ("auth", "api_key")  # never shown in --help
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class Settings:
     # Gradio holds ~0.1 MB per browser tab or API client, never freed on its own: this bounds it (~100 MB).
     max_sessions: int = 1000
     upload_hours: float = 24.0  # uploads live in Gradio's temp folder, which otherwise only grows
+    api_key: str | None = None  # for the OpenAI API; prefer QVL_API_KEY so it stays out of shell history
+    # Off: a server that downloads what a request names can be made to reach the machines behind it.
+    allow_image_urls: bool = False
 
     @property
     def admin_names(self) -> list[str]:
@@ -104,6 +108,10 @@ _HELP = {
     "max_sessions": "conversations kept in memory (browser tabs, API clients); past this the least recently "
                     "active is forgotten",
     "upload_hours": "uploaded images are deleted this many hours after upload (0 keeps them until restart)",
+    "api_key": "key that clients of the OpenAI-compatible API (/v1) must send as 'Authorization: Bearer KEY'; "
+               "with --auth, each 'user:password' is also a key",
+    "allow_image_urls": "let the OpenAI API download images from public http(s) links (never from local or "
+                        "private addresses); off, only data: URLs are taken",
 }
 
 
@@ -135,7 +143,7 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
     parser = argparse.ArgumentParser(prog="app.py", description="Chat about images with Qwen3-VL on a CPU.")
     for name, kind, default in _flags(base):
         flag, var = "--" + name.replace("_", "-"), "QVL_" + name.upper()
-        shown = "" if name == "auth" else f", default {default}"  # a secret stays out of --help output
+        shown = "" if name in SECRETS else f", default {default}"  # a secret stays out of --help output
         help_text = f"{_HELP[name]} [env {var}{shown}]".replace("%", "%%")  # argparse formats help with %
         if var in env:
             try:
