@@ -14,10 +14,16 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes, one line each
     from qvl import answers, cache, cpu, idle, openai_api, ui
-    from qvl.engine import Engine
 
     log.info("CPU: %s", cpu.describe())
-    engine = Engine(config)
+    if config.backend:  # a model server elsewhere answers: no torch here
+        from qvl.remote import RemoteEngine
+
+        engine = RemoteEngine(config)
+    else:
+        from qvl.engine import Engine
+
+        engine = Engine(config)
     if engine.fallback:
         log.warning("\n%s\n!! OFFLINE FALLBACK: %s\n!! The tiny random model answers; its answers are gibberish.\n%s",
                     "!" * 100, engine.fallback, "!" * 100)

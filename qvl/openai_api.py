@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from qvl import answers, settings, texts
 from qvl.answers import size_text
+from qvl.conversation import EngineError
 from qvl.images import InputError
 from qvl.line import Busy
 
@@ -162,6 +163,8 @@ def failure(lang: str, e: Exception) -> JSONResponse:
                      "context_length_exceeded" if e.key.startswith("too_long") else e.key)
     if isinstance(e, Busy):
         return error(429, message, "rate_limit_error", "server_busy")
+    if isinstance(e, EngineError):  # the model server behind this one (--backend) did not answer
+        return error(502, message, "upstream_error", e.key)
     return error(500, message, "server_error")
 
 

@@ -80,6 +80,13 @@ TEXT = {
         "image_url_blocked": "{host} is a local or private address; images are downloaded only from public addresses.",
         "image_url_failed": "Could not download the image from {host}; check the link, or send the image itself as a "
                             "data: URL.",
+        # A remote engine (--backend) that did not answer.
+        "backend_unreachable": "The model server cannot be reached right now. Please try again shortly.",
+        "backend_timeout": "The model server did not answer in time. Please try again shortly.",
+        "backend_cut": "The model server stopped in the middle of the answer. Please try again.",
+        "backend_busy": "The model server is busy. Please try again shortly.",
+        "backend_failed": "The model server could not answer (error {status}). Please try again shortly.",
+        "backend_refused": "The model server refused this request: {message}",
     },
     "zh-CN": {
         "title": "## 用 Qwen3-VL 聊图片（CPU 运行）",
@@ -145,6 +152,12 @@ TEXT = {
         "image_url_off": "本服务器不从链接下载图片；请把图片本身作为 data: URL 发送（data:image/png;base64,…）。",
         "image_url_blocked": "{host} 是本地或内网地址；只从公网地址下载图片。",
         "image_url_failed": "无法从 {host} 下载图片；请检查链接，或把图片本身作为 data: URL 发送。",
+        "backend_unreachable": "暂时无法连接模型服务器，请稍后再试。",
+        "backend_timeout": "模型服务器没有及时回答，请稍后再试。",
+        "backend_cut": "模型服务器在回答中途中断了，请重试。",
+        "backend_busy": "模型服务器繁忙，请稍后再试。",
+        "backend_failed": "模型服务器无法回答（错误 {status}），请稍后再试。",
+        "backend_refused": "模型服务器拒绝了此请求：{message}",
     },
 }
 LANGUAGES = tuple(TEXT)

@@ -34,20 +34,23 @@ def asking(text: str, *pictures: Path) -> dict:
             + [{"type": "text", "text": text}]}
 
 
+def ready(url: str, key: str) -> openai.OpenAI:
+    """A client of the app at url, once its engine has warmed up: the page serves before, the API says 503."""
+    client = openai.OpenAI(base_url=url + "v1", api_key=key, max_retries=0)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            client.chat.completions.create(model="qvl", messages=[{"role": "user", "content": "Ready?"}], max_tokens=1)
+            return client
+        except openai.InternalServerError:
+            assert time.monotonic() < deadline, "the engine never warmed up"
+            time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def app(launch_app):
     with launch_app("--api-key", KEY, "--allow-image-urls") as running:
-        client = openai.OpenAI(base_url=running.url + "v1", api_key=KEY, max_retries=0)
-        deadline = time.monotonic() + 120
-        while True:  # the page serves before the engine has warmed up; the API says 503 until it has
-            try:
-                client.chat.completions.create(model="qvl", messages=[{"role": "user", "content": "Ready?"}],
-                                               max_tokens=1)
-                break
-            except openai.InternalServerError:
-                assert time.monotonic() < deadline, "the engine never warmed up"
-                time.sleep(0.5)
-        running.client = client
+        running.client = ready(running.url, KEY)
         yield running
 
 
