@@ -13,17 +13,24 @@ def main():
     heap.limit_arenas()  # before the model, the server and their threads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes, one line each
-    from qvl import cache, cpu, idle, ui
-    from qvl.engine import Engine
+    from qvl import answers, cache, cpu, idle, openai_api, ui
 
     log.info("CPU: %s", cpu.describe())
-    engine = Engine(config)
+    if config.backend:  # a model server elsewhere answers: no torch here
+        from qvl.remote import RemoteEngine
+
+        engine = RemoteEngine(config)
+    else:
+        from qvl.engine import Engine
+
+        engine = Engine(config)
     if engine.fallback:
         log.warning("\n%s\n!! OFFLINE FALLBACK: %s\n!! The tiny random model answers; its answers are gibberish.\n%s",
                     "!" * 100, engine.fallback, "!" * 100)
     log.info("model %s, %s, %d threads", engine.model_id, engine.precision, engine.threads)
-    answers = cache.AnswerCache(config.cache_dir, config.cache_size, enabled=config.cache)
-    demo = ui.build(engine, answers, config)
+    answerer = answers.Answerer(engine, cache.AnswerCache(config.cache_dir, config.cache_size, enabled=config.cache),
+                                config)
+    demo = ui.build(answerer, config)
     # SIGTERM (docker stop, Spaces restarts, systemd) closes the server the way Ctrl+C does, and exits 0.
     signal.signal(signal.SIGTERM, lambda *_: demo.close())
     # Gradio's own start-up text suggests `share=True` in launch(); quiet, and the app says it in its own terms.
@@ -32,6 +39,8 @@ def main():
         auth=settings.credentials(config.auth) or None, auth_message=ui.login_message(),
         max_file_size=ui.upload_ceiling(config), state_session_capacity=config.max_sessions, quiet=True,
         prevent_thread_lock=True, **ui.page_assets(),
+        # The OpenAI API on the same port; routes given to the app first are matched before Gradio's own.
+        app_kwargs={"routes": openai_api.routes(answerer, config)},
     )
     # The page serves at once and says it is warming up; questions asked meanwhile wait in line for the engine.
     threading.Thread(target=engine.warm_up, args=ui.warm_up_request(), name="warm-up", daemon=True).start()

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from qvl import texts
 from qvl.cache import parse_size
+from qvl.conversation import EngineError, Turn
 from qvl.images import InputError
 from qvl.line import Busy, Line
 
@@ -40,9 +41,8 @@ def size_text(n: int) -> str:
 class Answerer:
     def __init__(self, engine, cache, settings):
         self.engine, self.cache, self.gen = engine, cache, settings.gen
-        self.line = Line(settings.queue_size)
+        self.line = Line(settings.queue_size, settings.concurrency)
         self.upload_limit = parse_size(settings.max_file_size)
-        self.identity = engine.identity  # hashes weight files: once, not per request
         self._kinds = {f.name: f.type for f in dataclasses.fields(settings.gen)}
         self._releasing: set[asyncio.Task] = set()  # held here: the event loop keeps only weak references
 
@@ -66,7 +66,7 @@ class Answerer:
         start, cache, key = time.perf_counter(), self.cache, None
         self.check_uploads(turns)
         if use_cache and cache.enabled and not fresh:
-            key = await asyncio.to_thread(cache.key, turns, params, self.identity)
+            key = await asyncio.to_thread(cache.key, turns, params, self.engine.identity)
             hit = await asyncio.to_thread(cache.get, key)
             if hit is not None:
                 yield Update(text=hit.text, stats=hit.stats, cached_in=time.perf_counter() - start)
@@ -122,6 +122,9 @@ def problem(lang: str, error: Exception) -> str:
         return error.say(lang)
     if isinstance(error, Busy):
         return texts.say(lang, "busy", size=error.args[0])
+    if isinstance(error, EngineError):
+        log.warning("no answer: %s", error)
+        return texts.say(lang, error.key, **error.params)
     log.error("answer failed", exc_info=error)
     return texts.say(lang, "failed")
 
@@ -143,6 +146,4 @@ def stats_line(lang: str, update: Update) -> str:
 
 def turns(conversation: list[dict]):
     """The model's view of a conversation: failed exchanges and notes are for the user's eyes only."""
-    from qvl.engine import Turn  # here, not at the top: qvl.engine imports torch, which the UI never needs
-
     return [Turn(e["role"], e["text"], tuple(e["images"])) for e in conversation if not e.get("failed")]

@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -14,8 +14,9 @@ import torch
 from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-from qvl import features, generate, heap, images, kv, modelcache, texts, tiny
+from qvl import conversation, features, generate, heap, images, kv, modelcache, texts, tiny
 from qvl.cache import parse_size
+from qvl.conversation import Stats, Turn
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
 
@@ -69,27 +70,6 @@ class ImageOnlyProcessor(Qwen3VLProcessor):
     # Qwen3VLProcessor also builds a video processor, which needs torchvision; this demo only takes images.
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
-
-
-@dataclass(frozen=True)
-class Turn:
-    role: str  # "user" or "assistant"
-    text: str = ""
-    images: tuple = ()  # paths, bytes or PIL images, shown before the text
-
-
-@dataclass(frozen=True)
-class Stats:
-    prompt_tokens: int
-    image_tokens: int
-    new_tokens: int
-    ttft_s: float  # from the request to the first answer token, image preprocessing included
-    decode_tok_s: float
-    total_s: float
-    stopped: bool  # ended by stop(), not by the model or the token cap
-    truncated: bool = False  # ended by the max-new-tokens cap
-    reused_tokens: int = 0  # prompt tokens whose KV came from a kept conversation, not prefilled
-    cached_images: int = 0  # images whose vision features came from the feature store, not the vision tower
 
 
 class Engine:
@@ -308,10 +288,9 @@ class Engine:
 
     def _inputs(self, turns: list[Turn], params: GenParams) -> tuple[dict, int]:
         """Tokenize the conversation and preprocess its images, refusing an oversized one before pixel work."""
+        conversation.check(turns)
         messages, pictures = [], []
         for turn in turns:
-            if turn.role not in ("user", "assistant"):
-                raise InputError("bad_role", role=turn.role)
             content = []
             for source in turn.images:
                 pictures.append(images.prepare(images.load(source), params.max_image_tokens, params.min_image_tokens))
@@ -321,10 +300,6 @@ class Engine:
             text = turn.text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
             content.append({"type": "text", "text": text})
             messages.append({"role": turn.role, "content": content})
-        if not messages or messages[-1]["role"] != "user":
-            raise InputError("ends_with_user")
-        if not turns[-1].text.strip() and not turns[-1].images:
-            raise InputError("empty_question")
         image_tokens = sum(images.tokens(p) for p in pictures)
         prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         text_tokens = len(self.processor.tokenizer(prompt)["input_ids"]) - len(pictures)

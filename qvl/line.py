@@ -12,22 +12,24 @@ class Busy(Exception):
 
 
 class Line:
-    """One generation at a time, first come first served, with at most `size` requests waiting behind it."""
+    """`running` generations at a time (one for the local engine; more for a remote one that batches), first come
+    first served, with at most `size` requests waiting behind them."""
 
-    def __init__(self, size: int):
-        self.size = size
-        self.tickets: list[object] = []  # the running request first, then the waiting ones in arrival order
+    def __init__(self, size: int, running: int = 1):
+        self.size, self.running = size, running
+        self.tickets: list[object] = []  # the running requests first, then the waiting ones in arrival order
         self._moved = asyncio.Event()
 
     def join(self) -> object:
-        if len(self.tickets) > self.size:
+        if len(self.tickets) >= self.size + self.running:
             raise Busy(self.size)
         ticket = object()
         self.tickets.append(ticket)
         return ticket
 
     def ahead(self, ticket) -> int:
-        return self.tickets.index(ticket)
+        """How many wait ahead of this ticket for a free place; 0 once it may run."""
+        return max(0, self.tickets.index(ticket) - self.running + 1)
 
     async def moved(self, timeout: float):
         """Return when the line moves, or after `timeout`: a waiting stream still ticks, so a gone client is seen."""

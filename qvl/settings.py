@@ -8,6 +8,7 @@ from qvl import cpu
 from qvl.cache import parse_size
 
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+SECRETS = ("auth", "api_key", "backend_key")  # never shown in --help
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,15 @@ class Settings:
     # Gradio holds ~0.1 MB per browser tab or API client, never freed on its own: this bounds it (~100 MB).
     max_sessions: int = 1000
     upload_hours: float = 24.0  # uploads live in Gradio's temp folder, which otherwise only grows
+    api_key: str | None = None  # for the OpenAI API; prefer QVL_API_KEY so it stays out of shell history
+    # Off: a server that downloads what a request names can be made to reach the machines behind it.
+    allow_image_urls: bool = False
+    # An OpenAI-compatible server (.../v1) that answers instead of a model loaded here.
+    backend: str | None = None
+    backend_model: str | None = None  # none: the first model the backend lists
+    backend_key: str | None = None
+    backend_timeout: float = 300.0  # seconds without a byte from the backend; its own line can be long
+    concurrency: int = 1  # generations at once: one for the local engine, more for a backend that batches
 
     @property
     def admin_names(self) -> list[str]:
@@ -104,6 +114,16 @@ _HELP = {
     "max_sessions": "conversations kept in memory (browser tabs, API clients); past this the least recently "
                     "active is forgotten",
     "upload_hours": "uploaded images are deleted this many hours after upload (0 keeps them until restart)",
+    "api_key": "key that clients of the OpenAI-compatible API (/v1) must send as 'Authorization: Bearer KEY'; "
+               "with --auth, each 'user:password' is also a key",
+    "backend": "URL of an OpenAI-compatible server (vLLM, llama-server, another qvl: http://host:port/v1) that "
+               "answers instead of a model loaded here; --model, --quant and the CPU settings then do nothing",
+    "backend_model": "model name to ask the backend for (default: the first it lists)",
+    "backend_key": "API key the backend wants (sent as 'Authorization: Bearer KEY')",
+    "backend_timeout": "seconds to wait for the backend's next byte before giving up on an answer",
+    "concurrency": "answers generated at once; keep 1 for the model loaded here, raise it for a backend that batches",
+    "allow_image_urls": "let the OpenAI API download images from public http(s) links (never from local or "
+                        "private addresses); off, only data: URLs are taken",
 }
 
 
@@ -135,7 +155,7 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
     parser = argparse.ArgumentParser(prog="app.py", description="Chat about images with Qwen3-VL on a CPU.")
     for name, kind, default in _flags(base):
         flag, var = "--" + name.replace("_", "-"), "QVL_" + name.upper()
-        shown = "" if name == "auth" else f", default {default}"  # a secret stays out of --help output
+        shown = "" if name in SECRETS else f", default {default}"  # a secret stays out of --help output
         help_text = f"{_HELP[name]} [env {var}{shown}]".replace("%", "%%")  # argparse formats help with %
         if var in env:
             try:
@@ -160,6 +180,10 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
             parser.error(f"--{name.replace('_', '-')}: {e}")
     if settings.max_sessions < 1 or settings.upload_hours < 0:
         parser.error("--max-sessions must be at least 1 and --upload-hours at least 0")
+    if settings.concurrency < 1 or settings.backend_timeout <= 0:
+        parser.error("--concurrency must be at least 1 and --backend-timeout above 0")
+    if settings.backend and not settings.backend.startswith(("http://", "https://")):
+        parser.error(f"--backend must be an http(s) URL such as http://127.0.0.1:8000/v1 (got {settings.backend!r})")
     try:
         users = dict(credentials(settings.auth))
     except ValueError as e:

@@ -76,12 +76,13 @@ def port_free(port: int) -> bool:
 
 
 def launch(model: str, workdir: Path, *flags: str, env: dict | None = None, clean_env: bool = False,
-           timeout: float = 240) -> Server:
-    """Start `python app.py` on model (fp32, its own cache dir, a free port) and return once it serves pages.
+           timeout: float = 240, port: int | None = None) -> Server:
+    """Start `python app.py` on model (fp32, its own cache dir, a free port unless given) and return once it serves
+    pages.
 
     env is added to this process's environment, or replaces it with clean_env.
     """
-    port, log, cache_dir = free_port(), workdir / "server.log", workdir / "answers"
+    port, log, cache_dir = port or free_port(), workdir / "server.log", workdir / "answers"
     command = [sys.executable, str(ROOT / "app.py"), "--model", model, "--quant", "fp32", "--port", str(port),
                "--cache-dir", str(cache_dir), *flags]
     with open(log, "wb") as out:

@@ -62,7 +62,7 @@ TEXT = {
         "far_too_many": "far too many",
         "file_too_big": "{name} is larger than {limit}; please upload a smaller picture.",
         "empty_question": "Please type a question or add an image.",
-        "bad_role": "Unknown role {role!r}: each turn is 'user' or 'assistant'.",
+        "bad_role": "Unknown role {role!r}: each turn is 'system', 'user' or 'assistant'.",
         "ends_with_user": "The conversation must end with a user message.",
         "too_long": "This conversation needs {needed} tokens{images}, over the limit of {limit} tokens. "
                     "Clear the conversation, send fewer or smaller images, or lower 'Max image tokens' in Settings.",
@@ -71,6 +71,22 @@ TEXT = {
                           "Settings.",
         "image_share": " ({tokens} of them for {count} {pictures})",
         "picture": "image", "pictures": "images",
+        # The OpenAI-compatible API's own refusals.
+        "api_key": "A valid API key is required: send it as the header 'Authorization: Bearer <key>'.",
+        "not_ready": "The model is still warming up; please try again in a few seconds.",
+        "bad_field": "The request's '{field}' is missing or not valid.",
+        "image_url_off": "This server does not download images from links; send the image itself as a data: URL "
+                         "(data:image/png;base64,…).",
+        "image_url_blocked": "{host} is a local or private address; images are downloaded only from public addresses.",
+        "image_url_failed": "Could not download the image from {host}; check the link, or send the image itself as a "
+                            "data: URL.",
+        # A remote engine (--backend) that did not answer.
+        "backend_unreachable": "The model server cannot be reached right now. Please try again shortly.",
+        "backend_timeout": "The model server did not answer in time. Please try again shortly.",
+        "backend_cut": "The model server stopped in the middle of the answer. Please try again.",
+        "backend_busy": "The model server is busy. Please try again shortly.",
+        "backend_failed": "The model server could not answer (error {status}). Please try again shortly.",
+        "backend_refused": "The model server refused this request: {message}",
     },
     "zh-CN": {
         "title": "## 用 Qwen3-VL 聊图片（CPU 运行）",
@@ -122,7 +138,7 @@ TEXT = {
         "far_too_many": "过多",
         "file_too_big": "{name} 大于 {limit}，请上传更小的图片。",
         "empty_question": "请输入问题或添加图片。",
-        "bad_role": "未知角色 {role!r}：每一轮必须是 'user' 或 'assistant'。",
+        "bad_role": "未知角色 {role!r}：每一轮必须是 'system'、'user' 或 'assistant'。",
         "ends_with_user": "对话必须以用户消息结尾。",
         "too_long": "这段对话需要 {needed} 个 token{images}，超过了 {limit} 个 token 的上限。"
                     "请清空对话、发送更少或更小的图片，或在“设置”中调低“图片最大 token 数”。",
@@ -130,6 +146,18 @@ TEXT = {
                           "请清空对话、发送更少或更小的图片，或在“设置”中调低“图片最大 token 数”。",
         "image_share": "（其中 {tokens} 个用于 {count} 张{pictures}）",
         "picture": "图片", "pictures": "图片",
+        "api_key": "需要有效的 API 密钥：请在请求头中发送 'Authorization: Bearer <密钥>'。",
+        "not_ready": "模型仍在预热，请几秒后再试。",
+        "bad_field": "请求中的 '{field}' 缺失或无效。",
+        "image_url_off": "本服务器不从链接下载图片；请把图片本身作为 data: URL 发送（data:image/png;base64,…）。",
+        "image_url_blocked": "{host} 是本地或内网地址；只从公网地址下载图片。",
+        "image_url_failed": "无法从 {host} 下载图片；请检查链接，或把图片本身作为 data: URL 发送。",
+        "backend_unreachable": "暂时无法连接模型服务器，请稍后再试。",
+        "backend_timeout": "模型服务器没有及时回答，请稍后再试。",
+        "backend_cut": "模型服务器在回答中途中断了，请重试。",
+        "backend_busy": "模型服务器繁忙，请稍后再试。",
+        "backend_failed": "模型服务器无法回答（错误 {status}），请稍后再试。",
+        "backend_refused": "模型服务器拒绝了此请求：{message}",
     },
 }
 LANGUAGES = tuple(TEXT)

@@ -72,8 +72,8 @@ def page_assets() -> dict:
     return {"css": CSS, "head": HEAD, "i18n": I18N, "allowed_paths": [str(ASSETS)]}
 
 
-def build(engine, cache, settings) -> gr.Blocks:
-    answerer = Answerer(engine, cache, settings)
+def build(answerer: Answerer, settings) -> gr.Blocks:
+    engine, cache = answerer.engine, answerer.cache
     keep_s = settings.upload_hours * 3600  # Gradio sweeps every min(hour, keep_s) and never when keep_s is 0
     with gr.Blocks(title="qvl: chat about images on a CPU", delete_cache=(min(3600.0, keep_s), keep_s)) as demo:
         conversation = gr.State([])

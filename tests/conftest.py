@@ -38,15 +38,17 @@ def launch_app(tiny_dir, tmp_path_factory):
     """Start `python app.py` on the tiny model: `with launch_app("--queue-size", "2") as app: Client(app.url)`.
 
     Keyword arguments are environment variables for the app (GRADIO_TEMP_DIR="..."), on top of a clean environment.
-    The app gets a free port and its own cache folder; its output is in app.log. Leaving the block sends SIGTERM.
+    The app gets a free port (or `port`, to restart one where it was) and its own cache folder; its output is in
+    app.log. Leaving the block sends SIGTERM.
     """
 
     @contextlib.contextmanager
-    def launch(*flags: str, **extra_env: str):
+    def launch(*flags: str, port: int | None = None, **extra_env: str):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("QVL_", "GRADIO_"))}
         env.update(GRADIO_ANALYTICS_ENABLED="False", **extra_env)  # tests run offline
         try:
-            server = stress.launch(str(tiny_dir), tmp_path_factory.mktemp("app"), *flags, env=env, clean_env=True)
+            server = stress.launch(str(tiny_dir), tmp_path_factory.mktemp("app"), *flags, env=env, clean_env=True,
+                                   port=port)
         except RuntimeError as e:
             pytest.fail(str(e))
         try:

@@ -2,7 +2,10 @@
 import asyncio
 import threading
 
+import pytest
+
 from qvl import answers, settings
+from qvl.line import Busy, Line
 
 
 class SlowEngine:
@@ -42,3 +45,13 @@ def test_a_stopped_answer_returns_at_once_and_the_next_in_line_starts_once_the_e
         await second.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_line_for_a_batching_backend_runs_several_at_once_and_still_bounds_the_wait():
+    line = Line(size=1, running=2)  # --concurrency 2 --queue-size 1
+    a, b, c = line.join(), line.join(), line.join()
+    assert (line.ahead(a), line.ahead(b), line.ahead(c)) == (0, 0, 1)
+    with pytest.raises(Busy):
+        line.join()
+    line.leave(a)
+    assert line.ahead(c) == 0

@@ -16,7 +16,7 @@ from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 from PIL import Image
 
-from qvl import cache, settings, stress, ui
+from qvl import answers, cache, settings, stress, ui
 from qvl.engine import Stats, Turn
 from qvl.settings import GenParams
 from test_inputs import UNREADABLE, bomb_png, scene
@@ -303,7 +303,7 @@ def test_uploads_are_deleted_after_upload_hours_and_an_old_conversation_asks_for
 @pytest.fixture(scope="module")
 def inproc(engine, tmp_path_factory):
     config = settings.parse(["--cache-dir", str(tmp_path_factory.mktemp("inproc") / "answers")], env={})
-    demo = ui.build(engine, cache.AnswerCache(config.cache_dir), config)
+    demo = ui.build(answers.Answerer(engine, cache.AnswerCache(config.cache_dir), config), config)
     demo.queue(default_concurrency_limit=1, max_size=config.queue_size).launch(
         server_name="127.0.0.1", server_port=stress.free_port(), prevent_thread_lock=True, quiet=True)
     yield SimpleNamespace(url=demo.local_url, engine=engine)

@@ -1,0 +1,58 @@
+"""A qvl that fronts another (--backend): two app processes, the second answering through the first's OpenAI API."""
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
+
+from qvl.ui import ASSETS
+from test_openai_api import KEY, ready
+
+CHART = str(ASSETS / "chart.png")
+SHORT = dict(use_cache=True, max_new_tokens=64, api_name="/ask")
+
+
+def streamed(client: Client, question: str, images=(), **params) -> list[tuple[str, str]]:
+    return list(client.submit([handle_file(p) for p in images], question, **{**SHORT, **params}))
+
+
+def test_a_second_app_fronts_the_first_caches_its_answers_and_outlives_it(launch_app):
+    # Answers of exactly 64 tokens from the first, so that each streams in several pieces.
+    model_flags = ("--api-key", KEY, "--min-new-tokens", "64")
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    command = re.search(r"\n(QVL_BACKEND_KEY=\S+ python app.py --backend .*)\n", readme)[1]  # the README's, run here
+    env, _, _, *flags = shlex.split(command.replace("7860", "{port}"))
+    flags = flags[:flags.index("--port")]  # the test's own port instead
+    with launch_app(*model_flags) as first:
+        ready(first.url, KEY)
+        flags = [flag.format(port=first.port) for flag in flags]
+        with launch_app(*flags, "--concurrency", "2", QVL_BACKEND_KEY=env.split("=")[1],
+                        PYTHONPROFILEIMPORTTIME="1") as second:
+            client = Client(second.url, verbose=False)
+            updates = streamed(client, "What does this chart show?", [CHART], seed=3)
+            answers = [answer for answer, _ in updates if answer]
+            assert len(answers) >= 2 and all(b.startswith(a) for a, b in zip(answers, answers[1:]))
+            assert "first token" in updates[-1][1] and "· 300 image tokens ·" in updates[-1][1]
+            _, follow_up = client.predict([], "Which bar is the tallest?", **SHORT)
+            assert "prompt tokens reused" in follow_up  # the first kept the conversation; its stats came through
+
+            first.stop()
+            again, status = Client(second.url, verbose=False).predict(
+                [handle_file(CHART)], "What does this chart show?", seed=3, **SHORT)
+            assert "answered from cache" in status and again == answers[-1]  # the first is gone: the second's cache
+            with pytest.raises(AppError, match="The model server cannot be reached right now"):
+                Client(second.url, verbose=False).predict([], "Anyone there?", **SHORT)
+            with pytest.raises(AppError, match="暂时无法连接模型服务器"):
+                Client(second.url, verbose=False, headers={"Accept-Language": "zh-CN"}).predict(
+                    [], "Anyone there?", **SHORT)
+
+            with launch_app(*model_flags, port=first.port) as restarted:
+                ready(restarted.url, KEY)
+                answer, status = Client(second.url, verbose=False).predict([], "Anyone there?", **SHORT)
+                assert answer and "first token" in status  # recovered, the second never restarted
+    imported = {line.rsplit("|", 1)[-1].strip() for line in second.log.read_text().splitlines()
+                if line.startswith("import time")}
+    assert "gradio" in imported and not {"torch", "transformers"} & imported
+    assert "answer failed" not in second.log.read_text()  # a gone backend is no fault of the app's: no traceback
