@@ -56,6 +56,7 @@ class Settings:
     # Gradio holds ~0.1 MB per browser tab or API client, never freed on its own: this bounds it (~100 MB).
     max_sessions: int = 1000
     upload_hours: float = 24.0  # uploads live in Gradio's temp folder, which otherwise only grows
+    mcp: bool = False  # Gradio's MCP server at /gradio_api/mcp/: the `ask` endpoint as a tool for agents
 
     @property
     def admin_names(self) -> list[str]:
@@ -112,6 +113,8 @@ _HELP = {
     "max_sessions": "conversations kept in memory (browser tabs, API clients); past this the least recently "
                     "active is forgotten",
     "upload_hours": "uploaded images are deleted this many hours after upload (0 keeps them until restart)",
+    "mcp": "serve the ask endpoint as an MCP tool (Gradio's MCP server, streamable HTTP at /gradio_api/mcp/) for "
+           "agents such as Claude Desktop, Cursor or VS Code",
 }
 
 
@@ -172,6 +175,10 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
         users = dict(credentials(settings.auth))
     except ValueError as e:
         parser.error(str(e))
+    if settings.mcp and settings.auth:
+        # Gradio mounts its MCP server outside the page's login: an agent has no way to sign in, and an endpoint
+        # beside the login is not one this app should offer as if it were protected.
+        parser.error("--mcp cannot be combined with --auth: Gradio's MCP endpoint has no login of its own")
     for flag, named in (("--admins", settings.admin_names), ("--priority-users", settings.priority_names)):
         unknown = [name for name in named if name not in users]
         if unknown:

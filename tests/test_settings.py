@@ -105,6 +105,13 @@ def test_several_auth_users_and_admins_and_priority_users_among_them(capsys):
         settings.parse(["--auth", "ann"], env={})
 
 
+def test_mcp_is_refused_with_auth_since_gradios_mcp_endpoint_has_no_login(capsys):
+    assert settings.parse(["--mcp"], env={}).mcp
+    with pytest.raises(SystemExit):
+        settings.parse(["--mcp"], env={"QVL_AUTH": "ann:pw"})
+    assert "--mcp cannot be combined with --auth" in capsys.readouterr().err
+
+
 def test_only_a_localhost_server_without_share_is_private():
     assert settings.parse([], env={}).private
     assert not settings.parse(["--share"], env={}).private
