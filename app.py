@@ -13,7 +13,7 @@ def main():
     heap.limit_arenas()  # before the model, the server and their threads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes, one line each
-    from qvl import answers, cache, cpu, idle, openai_api, ui
+    from qvl import answers, cache, cpu, idle, openai_api, tool, ui
 
     log.info("CPU: %s", cpu.describe())
     if config.backend:  # a model server elsewhere answers: no torch here
@@ -37,14 +37,17 @@ def main():
     idle.quiet_queue(demo.queue(default_concurrency_limit=1, max_size=config.queue_size)).launch(
         server_name=config.host, server_port=config.port, share=config.share,
         auth=settings.credentials(config.auth) or None, auth_message=ui.login_message(),
-        max_file_size=ui.upload_ceiling(config), state_session_capacity=config.max_sessions, quiet=True,
-        prevent_thread_lock=True, **ui.page_assets(),
+        max_file_size=ui.upload_ceiling(config), state_session_capacity=config.max_sessions, mcp_server=config.mcp,
+        quiet=True, prevent_thread_lock=True, **ui.page_assets(),
         # The OpenAI API on the same port; routes given to the app first are matched before Gradio's own.
         app_kwargs={"routes": openai_api.routes(answerer, config)},
     )
     # The page serves at once and says it is warming up; questions asked meanwhile wait in line for the engine.
     threading.Thread(target=engine.warm_up, args=ui.warm_up_request(), name="warm-up", daemon=True).start()
     log.info("qvl is ready: open %s in a browser", demo.local_url)
+    if config.mcp:
+        tool.offer(demo)
+        log.info("MCP server (streamable HTTP): %s/gradio_api/mcp/", (demo.share_url or demo.local_url).rstrip("/"))
     if demo.share_url:
         log.info("public link (valid for a week, while this process runs): %s", demo.share_url)
     else:

@@ -13,7 +13,7 @@ from qvl import texts
 from qvl.cache import parse_size
 from qvl.conversation import EngineError, Turn
 from qvl.images import InputError
-from qvl.line import Busy, Line
+from qvl.line import Busy, Line, Taken
 
 log = logging.getLogger("qvl")
 # The GenParams fields a session may set (Settings tab, API), in that order; the rest stay at the server's flags.
@@ -42,6 +42,7 @@ class Answerer:
     def __init__(self, engine, cache, settings):
         self.engine, self.cache, self.gen = engine, cache, settings.gen
         self.line = Line(settings.queue_size, settings.concurrency)
+        self.priority_users = set(settings.priority_names)
         self.upload_limit = parse_size(settings.max_file_size)
         self._kinds = {f.name: f.type for f in dataclasses.fields(settings.gen)}
         self._releasing: set[asyncio.Task] = set()  # held here: the event loop keeps only weak references
@@ -51,6 +52,11 @@ class Answerer:
         chosen = {name: self._kinds[name](value) for name, value in zip(PARAMS, values) if value is not None}
         return replace(self.gen, **chosen)
 
+    def who(self, request) -> dict:
+        """answer()'s client and priority for a gr.Request: its Gradio session (a browser tab, a gradio_client
+        Client), and 1 for a --priority-users login, else 0."""
+        return {"client": request.session_hash, "priority": int(request.username in self.priority_users)}
+
     def check_uploads(self, turns):
         """Refuse an upload over --max-file-size with our message (Gradio's own is English and counts bytes)."""
         for turn in turns:
@@ -58,10 +64,12 @@ class Answerer:
                 if isinstance(path, str) and os.path.isfile(path) and os.path.getsize(path) > self.upload_limit:
                     raise InputError("file_too_big", name=os.path.basename(path), limit=size_text(self.upload_limit))
 
-    async def answer(self, turns, params, use_cache: bool, fresh: bool):
+    async def answer(self, turns, params, use_cache: bool, fresh: bool, client: str | None = None,
+                     priority: int = 0):
         """Yield Updates for one answer: a cache hit at once, else the place in line, the stream, the stats.
 
-        Raises InputError (bad input, before any generation), Busy, or whatever generation raised.
+        client and priority place it in line (see who()). Raises InputError (bad input, before any generation), Busy,
+        Taken (the client is already in line), or whatever generation raised.
         """
         start, cache, key = time.perf_counter(), self.cache, None
         self.check_uploads(turns)
@@ -71,7 +79,7 @@ class Answerer:
             if hit is not None:
                 yield Update(text=hit.text, stats=hit.stats, cached_in=time.perf_counter() - start)
                 return
-        ticket, pieces, step = self.line.join(), None, None
+        ticket, pieces, step = self.line.join(client, priority), None, None
         try:
             while ahead := self.line.ahead(ticket):
                 yield Update(ahead=ahead)
@@ -90,6 +98,7 @@ class Answerer:
                     shown = time.monotonic()
                     yield Update(text=text)
         except BaseException:
+            self.line.abandon(ticket)  # the client may ask again at once, behind what is left of this one
             # Whoever stopped the answer does not wait for the engine's current step (a prefill takes seconds): it is
             # freed in the background, and the next in line starts once it is.
             task = asyncio.ensure_future(self._release(ticket, pieces, step))
@@ -122,6 +131,8 @@ def problem(lang: str, error: Exception) -> str:
         return error.say(lang)
     if isinstance(error, Busy):
         return texts.say(lang, "busy", size=error.args[0])
+    if isinstance(error, Taken):
+        return texts.say(lang, "one_at_a_time")
     if isinstance(error, EngineError):
         log.warning("no answer: %s", error)
         return texts.say(lang, error.key, **error.params)

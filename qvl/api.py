@@ -20,9 +20,9 @@ def wire(conversation: gr.State, session: list, answerer):
         lang = texts.language(request)
         user = {"role": "user", "text": question or "", "images": list(images or [])}
         params = answerer.params((max_image_tokens, max_new_tokens, temperature, top_p, top_k, greedy, seed))
-        turns = answers.turns(conversation + [user])
+        turns, who = answers.turns(conversation + [user]), answerer.who(request)
         try:
-            async with contextlib.aclosing(answerer.answer(turns, params, use_cache, False)) as updates:
+            async with contextlib.aclosing(answerer.answer(turns, params, use_cache, False, **who)) as updates:
                 async for update in updates:
                     if update.stats is not None:
                         reply = {"role": "assistant", "text": update.text, "images": [], "note": ""}

@@ -92,9 +92,9 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
                 params = replace(params, seed=random.randrange(2**31))
             reply = {"role": "assistant", "text": "", "images": [], "note": ""}
             conversation = conversation[:-1] + [dict(conversation[-1], pending=False), reply]
-            turns = answers.turns(conversation[:-1])
+            turns, who = answers.turns(conversation[:-1]), answerer.who(request)
             try:
-                async with contextlib.aclosing(answerer.answer(turns, params, use_cache, fresh)) as updates:
+                async with contextlib.aclosing(answerer.answer(turns, params, use_cache, fresh, **who)) as updates:
                     async for update in until(stop, updates):
                         reply["text"], reply["done"] = update.text, update.stats is not None
                         reply["note"] = answers.stats_line(lang, update) if update.stats else (

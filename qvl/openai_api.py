@@ -25,7 +25,7 @@ from qvl import answers, settings, texts
 from qvl.answers import size_text
 from qvl.conversation import EngineError
 from qvl.images import InputError
-from qvl.line import Busy
+from qvl.line import Busy, Taken
 
 FETCH_S = 10.0  # a whole image download, redirects included
 REDIRECTS = 3
@@ -163,6 +163,8 @@ def failure(lang: str, e: Exception) -> JSONResponse:
                      "context_length_exceeded" if e.key.startswith("too_long") else e.key)
     if isinstance(e, Busy):
         return error(429, message, "rate_limit_error", "server_busy")
+    if isinstance(e, Taken):
+        return error(429, message, "rate_limit_error", "one_at_a_time")
     if isinstance(e, EngineError):  # the model server behind this one (--backend) did not answer
         return error(502, message, "upstream_error", e.key)
     return error(500, message, "server_error")
@@ -183,12 +185,22 @@ class OpenAIApi:
         model_id = self.answerer.engine.model_id
         return Path(model_id).name if Path(model_id).is_absolute() else model_id
 
-    def authorize(self, request: Request):
-        """With --api-key or --auth, a key is required: the API is never less guarded than the page."""
+    def authorize(self, request: Request) -> dict:
+        """With --api-key or --auth, a key is required: the API is never less guarded than the page.
+
+        Returns answer()'s client and priority: a key holds one place in the line, as a browser tab does, and an
+        --auth user's key has that user's priority. Without keys, API clients cannot be told apart and are not held
+        to one place.
+        """
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         given = key.strip().encode() if scheme.lower() == "bearer" else b""
-        if self.keys and not any(secrets.compare_digest(given, k.encode()) for k in self.keys):
+        if not self.keys:
+            return {"client": None, "priority": 0}
+        matched = [k for k in self.keys if secrets.compare_digest(given, k.encode())]
+        if not matched:
             raise Refused(401, "api_key")
+        user = None if matched[0] == self.config.api_key else matched[0].partition(":")[0]
+        return {"client": "key:" + matched[0], "priority": int(user in self.answerer.priority_users)}
 
     async def models(self, request: Request) -> Response:
         try:
@@ -259,7 +271,7 @@ class OpenAIApi:
     async def completions(self, request: Request) -> Response:
         lang, updates = texts.language(request), None
         try:
-            self.authorize(request)
+            who = self.authorize(request)
             try:
                 body = await request.json()
             except ValueError:
@@ -270,7 +282,7 @@ class OpenAIApi:
             turns = answers.turns(await self.conversation(body.get("messages")))
             if not self.answerer.engine.ready.is_set():
                 raise Refused(503, "not_ready")
-            updates = self.answerer.answer(turns, params, use_cache=True, fresh=False)
+            updates = self.answerer.answer(turns, params, use_cache=True, fresh=False, **who)
             first = await self.opening(updates, request)
         except Exception as e:
             if updates is not None:

@@ -42,6 +42,8 @@ class Settings:
     auth: str | None = None  # "user:password[,user:password…]"; prefer QVL_AUTH so it stays out of shell history
     # Users of --auth who may change server-wide settings (threads, clearing the cache) on a server others reach.
     admins: str = ""
+    # Users of --auth whose questions go ahead of everyone else's waiting ones (never ahead of the running one).
+    priority_users: str = ""
     cache: bool = True
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "answers"))
     cache_size: str = "auto"  # 5% of the free disk, at most 2 GiB
@@ -64,10 +66,15 @@ class Settings:
     backend_key: str | None = None
     backend_timeout: float = 300.0  # seconds without a byte from the backend; its own line can be long
     concurrency: int = 1  # generations at once: one for the local engine, more for a backend that batches
+    mcp: bool = False  # Gradio's MCP server at /gradio_api/mcp/: the `ask` endpoint as a tool for agents
 
     @property
     def admin_names(self) -> list[str]:
-        return [name.strip() for name in self.admins.split(",") if name.strip()]
+        return names(self.admins)
+
+    @property
+    def priority_names(self) -> list[str]:
+        return names(self.priority_users)
 
     @property
     def private(self) -> bool:
@@ -97,6 +104,8 @@ _HELP = {
     "auth": "user:password required to use the app; several users separated by commas",
     "admins": "comma-separated --auth users who may change server-wide settings (threads, clearing the cache); "
               "on a server bound to localhost without --share everyone may",
+    "priority_users": "comma-separated --auth users whose questions go first: ahead of every waiting question of "
+                      "the others, behind the one being answered",
     "cache": "answer cache on disk (--no-cache turns it off)",
     "cache_dir": "answer cache folder",
     "cache_size": "answer cache size limit, e.g. 500MB, 2GB; auto is 5% of the free disk, at most 2GB",
@@ -124,6 +133,8 @@ _HELP = {
     "concurrency": "answers generated at once; keep 1 for the model loaded here, raise it for a backend that batches",
     "allow_image_urls": "let the OpenAI API download images from public http(s) links (never from local or "
                         "private addresses); off, only data: URLs are taken",
+    "mcp": "serve the ask endpoint as an MCP tool (Gradio's MCP server, streamable HTTP at /gradio_api/mcp/) for "
+           "agents such as Claude Desktop, Cursor or VS Code",
 }
 
 
@@ -188,10 +199,21 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
         users = dict(credentials(settings.auth))
     except ValueError as e:
         parser.error(str(e))
-    unknown = [name for name in settings.admin_names if name not in users]
-    if unknown:
-        parser.error(f"--admins names {', '.join(unknown)}, not among the --auth users ({', '.join(users) or 'none'})")
+    if settings.mcp and settings.auth:
+        # Gradio mounts its MCP server outside the page's login: an agent has no way to sign in, and an endpoint
+        # beside the login is not one this app should offer as if it were protected.
+        parser.error("--mcp cannot be combined with --auth: Gradio's MCP endpoint has no login of its own")
+    for flag, named in (("--admins", settings.admin_names), ("--priority-users", settings.priority_names)):
+        unknown = [name for name in named if name not in users]
+        if unknown:
+            parser.error(f"{flag} names {', '.join(unknown)}, not among the --auth users "
+                         f"({', '.join(users) or 'none'})")
     return settings
+
+
+def names(text: str) -> list[str]:
+    """'ann, bob' -> ['ann', 'bob']: a comma-separated list of --auth users."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def credentials(auth: str | None) -> list[tuple[str, str]]:

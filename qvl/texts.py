@@ -34,6 +34,8 @@ TEXT = {
         # Filled in on the server for the browser's language, so they carry placeholders.
         "waiting": "Waiting in line: {ahead} request(s) ahead of you…",
         "busy": "The server is busy ({size} requests are already waiting). Please try again shortly.",
+        "one_at_a_time": "You already have a question waiting or being answered: one at a time, please. Ask again "
+                         "once its answer is done (or stop it).",
         "failed": "Something went wrong while answering. Please try again.",
         "not_operator": "Only the operator of this server can change this.",
         "stopped": "stopped",
@@ -112,6 +114,7 @@ TEXT = {
         "operator_only": "全服务器设置（线程数、清空缓存）仅限本服务器的管理员修改。",
         "waiting": "排队中：前面还有 {ahead} 个请求……",
         "busy": "服务器繁忙（已有 {size} 个请求在排队），请稍后再试。",
+        "one_at_a_time": "你已有一个问题正在排队或回答中：请一次只问一个。等它回答完（或停止它）后再问。",
         "failed": "回答时出错，请重试。",
         "not_operator": "只有本服务器的管理员可以修改此项。",
         "stopped": "已停止",

@@ -5,7 +5,7 @@ page and the API, is qvl.answers.
 """
 import gradio as gr
 
-from qvl import api, chat_tab, settings_tab, texts
+from qvl import api, chat_tab, settings_tab, texts, tool
 from qvl.answers import Answerer
 from qvl.cache import parse_size
 from qvl.chat_tab import ASSETS
@@ -91,6 +91,8 @@ def build(answerer: Answerer, settings) -> gr.Blocks:
         chat_tab.wire(chatbot, box, conversation, session, answerer)
         settings_tab.wire(parts, tab, demo, engine, cache, settings)
         api.wire(conversation, session, answerer)
+        if settings.mcp:
+            tool.wire(answerer)
 
         def in_their_language(request: gr.Request):
             return chat_tab.welcome(texts.language(request))

@@ -144,3 +144,69 @@ def test_the_start_up_log_names_the_apps_own_flags(app):
     log = app.log.read_text()
     assert f"qvl is ready: open http://127.0.0.1:{app.port}" in log
     assert "start with --share" in log and "share=True" not in log
+
+
+@pytest.fixture(scope="module")
+def ranked(launch_app):
+    """A server whose line knows its users: vip is a --priority-users login. Answers run until stopped (3000 tokens)
+    unless a request asks for fewer, so a test decides when the line moves."""
+    users = ("ann", "bob", "cat", "vip")
+    with launch_app("--auth", ",".join(f"{u}:{u}-pw" for u in users), "--priority-users", "vip", "--queue-size", "4",
+                    "--min-new-tokens", "3000", "--max-new-tokens", "3000") as running:
+        running.client = lambda user: Client(running.url, auth=(user, f"{user}-pw"), verbose=False)
+        yield running
+
+
+def started(job, streaming: bool = False):
+    """Wait until the job has sent something (its place in line), or with streaming, text of its answer."""
+    while not job.outputs() or (streaming and not job.outputs()[-1][0]):
+        assert not job.done(), job.exception()
+        time.sleep(0.02)
+    return job
+
+
+def test_a_priority_user_who_arrives_last_is_answered_before_the_others_waiting(ranked):
+    short = dict(use_cache=False, max_new_tokens=8)
+    running = started(ask(ranked.client("ann"), "Tell me everything.", [CHART], use_cache=False), streaming=True)
+    bob = started(ask(ranked.client("bob"), "What colour is the first bar?", [CHART], **short))
+    cat = started(ask(ranked.client("cat"), "What colour is the last bar?", [CHART], **short))
+    vip = started(ask(ranked.client("vip"), "How many bars?", [CHART], **short))
+    assert "Waiting in line: 1 request(s) ahead" in vip.outputs()[-1][1]  # only the running answer is ahead of vip
+    while "Waiting in line: 3 request(s) ahead" not in cat.outputs()[-1][1]:
+        time.sleep(0.02)  # cat was 2nd in line; vip passed it, and cat's place says so
+    running.cancel()
+    finished = {}
+    threads = [threading.Thread(target=lambda n=n, j=j: finished.__setitem__(n, collect(j)[-1][0]))
+               for n, j in (("bob", bob), ("cat", cat), ("vip", vip))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(finished, key=finished.get) == ["vip", "bob", "cat"]
+    assert all("first token" in job.outputs()[-1][1] for job in (bob, cat, vip))
+
+
+def test_a_client_holds_one_place_in_line_and_gets_it_back_when_it_stops(ranked):
+    ann, bob = ranked.client("ann"), ranked.client("bob")
+    first = started(ask(ann, "Tell me everything.", [CHART], use_cache=False), streaming=True)
+    with pytest.raises(AppError, match="one at a time"):
+        ann.predict([handle_file(CHART)], "And this too?", use_cache=False, max_new_tokens=8, api_name="/ask")
+    waiting = started(ask(bob, "Meanwhile, mine?", [CHART], use_cache=False, max_new_tokens=8))  # others still may
+    assert "Waiting in line: 1 request(s) ahead" in waiting.outputs()[-1][1]
+    first.cancel()
+    # Stopped, ann may ask again at once, though the engine may still be finishing her stopped answer's step.
+    _, status = ann.predict([handle_file(CHART)], "Then this?", use_cache=False, max_new_tokens=8, api_name="/ask")
+    assert "first token" in status and "first token" in waiting.result(timeout=60)[1]
+
+
+def test_a_cache_hit_is_answered_at_once_even_for_a_client_already_in_line(ranked):
+    ann, bob = ranked.client("ann"), ranked.client("bob")
+    question = dict(question="Name the fruits.", use_cache=True, max_new_tokens=8, api_name="/ask")
+    computed = ranked.client("cat").predict([handle_file(CHART)], **question)  # ann's conversation stays empty
+    running = started(ask(bob, "Tell me everything.", [CHART], use_cache=False), streaming=True)
+    waiting = started(ask(ann, "Describe the axes.", [CHART], use_cache=False, max_new_tokens=8))
+    answer, status = ann.predict([handle_file(CHART)], **question)  # ann's second request: no place, no wait
+    assert answer == computed[0] and "answered from cache" in status
+    assert not waiting.done() and "Waiting in line: 1 request(s) ahead" in waiting.outputs()[-1][1]
+    running.cancel()
+    assert "first token" in waiting.result(timeout=60)[1]

@@ -172,9 +172,10 @@ def test_the_readme_examples_run(app):
 
 @contextlib.contextmanager
 def serving(engine, tmp_path, *flags):
-    """The page and the API around `engine`, in this process, like app.py serves them."""
+    """The page and the API around `engine`, in this process, like app.py serves them; yields their URL (and keeps
+    the answerer as serving.answerer, for a test to watch its line)."""
     config = settings.parse(["--cache-dir", str(tmp_path / "answers"), *flags], env={})
-    answerer = answers.Answerer(engine, cache.AnswerCache(config.cache_dir), config)
+    answerer = serving.answerer = answers.Answerer(engine, cache.AnswerCache(config.cache_dir), config)
     demo = ui.build(answerer, config)
     demo.queue(default_concurrency_limit=1, max_size=config.queue_size).launch(
         server_name="127.0.0.1", server_port=stress.free_port(), prevent_thread_lock=True, quiet=True,
@@ -227,6 +228,40 @@ def test_past_the_line_429_and_a_client_that_leaves_frees_the_engine(engine, tmp
             time.sleep(0.02)  # the next in line streams: the engine is free
         waiting.cancel()
         assert runs[0]["closed"] and not runs[0]["finished"]  # the left answer was never completed
+
+
+def test_a_key_holds_one_place_in_line_and_a_priority_users_key_goes_first(engine, tmp_path):
+    engine.ready.set()
+    flags = ("--auth", "ann:pw,bob:pw,cat:pw", "--priority-users", "cat", "--min-new-tokens", "3000",
+             "--max-new-tokens", "3000")
+    with serving(engine, tmp_path, *flags) as url:
+        ann, bob, cat = (openai.OpenAI(base_url=url + "v1", api_key=f"{u}:pw", max_retries=0)
+                         for u in ("ann", "bob", "cat"))
+        question = [{"role": "user", "content": "Go on."}]
+        running = ann.chat.completions.create(model="qvl", messages=question, stream=True)
+        next(c for c in running if c.choices and c.choices[0].delta.content)  # ann's answer streams
+        with pytest.raises(openai.RateLimitError, match="one at a time") as refused:
+            ann.chat.completions.create(model="qvl", messages=[{"role": "user", "content": "And this?"}])
+        assert refused.value.code == "one_at_a_time"
+        finished = []
+
+        def wait_for(client, name):
+            client.chat.completions.create(model="qvl", messages=[{"role": "user", "content": name}], max_tokens=2)
+            finished.append(name)
+
+        line = serving.answerer.line
+        waiting = []
+        for name, client in (("bob", bob), ("cat", cat)):  # bob is in line before cat asks
+            waiting.append(threading.Thread(target=wait_for, args=(client, name)))
+            waiting[-1].start()
+            deadline = time.monotonic() + 30
+            while len(line.tickets) < len(waiting) + 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert [t.client for t in line.tickets] == ["key:ann:pw", "key:cat:pw", "key:bob:pw"]
+        running.close()  # ann leaves: the line moves
+        for thread in waiting:
+            thread.join(timeout=60)
+        assert finished == ["cat", "bob"]  # cat, a --priority-users login, went ahead of bob, who came first
 
 
 # The guard on image links: unit tests, offline.

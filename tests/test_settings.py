@@ -90,15 +90,26 @@ def test_a_bad_flag_is_refused_before_torch_or_gradio_load():
     assert not {"torch", "gradio", "transformers"} & imported
 
 
-def test_several_auth_users_and_admins_among_them():
-    s = settings.parse(["--auth", "ann:pw:with:colons,bob:pw2", "--admins", "bob"], env={})
+def test_several_auth_users_and_admins_and_priority_users_among_them(capsys):
+    s = settings.parse(["--auth", "ann:pw:with:colons,bob:pw2", "--admins", "bob", "--priority-users", "ann, bob"],
+                       env={})
     assert settings.credentials(s.auth) == [("ann", "pw:with:colons"), ("bob", "pw2")] and s.admin_names == ["bob"]
-    with pytest.raises(SystemExit):
-        settings.parse(["--auth", "ann:pw", "--admins", "eve"], env={})  # not an --auth user
-    with pytest.raises(SystemExit):
-        settings.parse(["--admins", "ann"], env={})  # no --auth: nobody could prove they are ann
+    assert s.priority_names == ["ann", "bob"]
+    for flag in ("--admins", "--priority-users"):
+        with pytest.raises(SystemExit):
+            settings.parse(["--auth", "ann:pw", flag, "eve"], env={})  # not an --auth user
+        assert f"{flag} names eve, not among the --auth users (ann)" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            settings.parse([flag, "ann"], env={})  # no --auth: nobody could prove they are ann
     with pytest.raises(SystemExit):
         settings.parse(["--auth", "ann"], env={})
+
+
+def test_mcp_is_refused_with_auth_since_gradios_mcp_endpoint_has_no_login(capsys):
+    assert settings.parse(["--mcp"], env={}).mcp
+    with pytest.raises(SystemExit):
+        settings.parse(["--mcp"], env={"QVL_AUTH": "ann:pw"})
+    assert "--mcp cannot be combined with --auth" in capsys.readouterr().err
 
 
 def test_only_a_localhost_server_without_share_is_private():
