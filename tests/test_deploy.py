@@ -1,5 +1,6 @@
 """The README's front matter configures the Hugging Face Space: only keys Spaces knows, the same Gradio and Python
 the app is installed and tested with, and the app's own model preloaded."""
+import re
 import sys
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def front_matter() -> dict:
 
 
 def pin(package: str) -> str:
-    [line] = [line for line in (ROOT / "requirements.txt").read_text().splitlines() if line.startswith(package + "==")]
+    """The version requirements.txt pins package to, extras or not (gradio[mcp]==6.31.0)."""
+    [line] = [line for line in (ROOT / "requirements.txt").read_text().splitlines()
+              if re.match(rf"{re.escape(package)}(\[[^\]]*\])?==", line)]
     return line.split("==")[1]
 
 
