@@ -161,6 +161,6 @@ def _linear(tensors: dict, prefix: str, out_features: int) -> nn.Module:
 
 
 def _fbgemm(tensors: dict, prefix: str) -> nn.Module:
-    weight = torch._make_per_channel_quantized_tensor(
-        tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.zero_point"), 0)
+    weight = quant.per_channel_qint8(
+        tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.zero_point"))
     return quant.fbgemm_linear(weight, tensors.pop(f"{prefix}.bias", None))

@@ -14,6 +14,7 @@ import collections
 import functools
 import json
 import logging
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -108,9 +109,20 @@ def _dynamic_int8(linear: nn.Linear) -> nn.Module:
         rows = w[i:i + 4096].float()
         scale[i:i + 4096] = rows.abs().amax(1).clamp(min=1e-8) / 127
         q[i:i + 4096] = (rows / scale[i:i + 4096, None].float()).round().clamp(-127, 127)
-    qweight = torch._make_per_channel_quantized_tensor(q, scale, torch.zeros(w.shape[0], dtype=torch.long), 0)
+    qweight = per_channel_qint8(q, scale, torch.zeros(w.shape[0], dtype=torch.long))
     del q  # a copy: freed before fbgemm packs a third one
     return fbgemm_linear(qweight, None if linear.bias is None else linear.bias.detach().float())
+
+
+# torch 2.13 deprecates quantized dtypes (pytorch#184982), which fbgemm's linear still takes, and says so at every
+# start; the README says what replaces them when they go. Set once here: catch_warnings is not safe in the threads
+# that convert linears side by side.
+warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated")
+
+
+def per_channel_qint8(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """The torch.qint8 weight (int8 values, per-row scales and zero points) that fbgemm's linear takes."""
+    return torch._make_per_channel_quantized_tensor(q, scale, zero_point, 0)
 
 
 def fbgemm_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
