@@ -1,6 +1,7 @@
 """Load, soak and faults against a running app through its `ask` API, summed up in one table.
 
     python -m qvl.stress                        # launches app.py on the tiny model, on a free 127.0.0.1 port
+    python -m qvl.stress --backend              # ...and a second app.py in front of it (--backend), asked instead
     python -m qvl.stress --url http://127.0.0.1:7860 --pid PID [--auth user:password]
 
 load: N clients ask at once (two turns each); the first queue_size + 1 are answered in arrival order, the rest get
@@ -12,6 +13,8 @@ faults: bad uploads and questions, a client that disconnects mid-answer, the cac
 file and corrupted while serving (when this script launched the app), then SIGTERM. Lost requests (no answer, no
 busy message, no input error: a hang, a crash, a dropped connection) must be 0; the exit code says whether they were.
 idle (first): the server's CPU time over a minute with nobody asking, after one answered request, as % of one core.
+With --backend every scenario asks the second app, whose remote engine gets its answers from the first's OpenAI API;
+the figures (RSS, idle CPU, the cache damaged) are the second's.
 """
 import argparse
 import os
@@ -36,6 +39,10 @@ from qvl import settings, texts, tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 BUSY = texts.TEXT["en"]["busy"].split("(")[0].strip()  # "The server is busy"
+# What the app says when a request went unanswered through no fault of its own (a fault here or in the backend): a
+# clear message, but the request is lost, not refused.
+FAILED = tuple(texts.TEXT["en"][key].split("{")[0] for key in (
+    "failed", "backend_unreachable", "backend_timeout", "backend_cut", "backend_busy", "backend_failed"))
 # Sampled, so the tiny model's answers differ by seed and conversation; short, so a request costs well under a second.
 ASK = dict(use_cache=True, max_image_tokens=320, max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=200,
            greedy=False, seed=0)
@@ -103,6 +110,17 @@ def launch(model: str, workdir: Path, *flags: str, env: dict | None = None, clea
     raise RuntimeError(f"app.py did not serve within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
+def api_ready(url: str, timeout: float = 240):
+    """Return once the app's OpenAI API answers: it says 503 until the engine has warmed up, which an app in front
+    of it would pass on to its users as the model server being busy."""
+    body = {"model": "qvl", "max_tokens": 1, "messages": [{"role": "user", "content": "Ready?"}]}
+    deadline = time.monotonic() + timeout
+    while httpx.post(url + "v1/chat/completions", json=body, timeout=60).status_code == 503:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}v1 was still warming up after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
 def rss_mb(pid: int | None) -> float | None:
     if pid is None:
         return None
@@ -166,7 +184,7 @@ class Tally:
                 self.latencies.append(time.monotonic() - started)
             elif BUSY in str(error) or "Queue is full" in str(error):
                 self.busy += 1
-            elif type(error).__name__ == "AppError" and str(error) and "went wrong" not in str(error):
+            elif type(error).__name__ == "AppError" and str(error) and not any(f in str(error) for f in FAILED):
                 self.refused += 1  # an input error: the message tells the user what to fix
             else:
                 self.problems.append(f"{type(error).__name__}: {str(error)[:200]}")
@@ -420,7 +438,10 @@ def main(argv=None) -> int:
                              "kept, and below the soak's new sessions (soak / new-client-every), so the soak reaches it")
     parser.add_argument("--kv-memory", default="16MB",
                         help="the launched app's bound on kept conversations: small, so the soak reaches it and its "
-                             "RSS shows the bound at work")
+                             "RSS shows the bound at work (with --backend, the first app's: the model's)")
+    parser.add_argument("--backend", action="store_true",
+                        help="launch a second app.py with --backend in front of the first and run everything through "
+                             "the second, so that its remote engine answers")
     parser.add_argument("--idle", type=float, default=60,
                         help="seconds over which to measure the server's CPU use while idle, after one answered "
                              "request, before the other scenarios (needs the pid; 0 skips it)")
@@ -430,18 +451,26 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
     workdir = Path(tempfile.mkdtemp(prefix="qvl-stress-"))
-    server = None
+    server = backend = None  # the app asked; with --backend, the one holding the model behind it
     try:
         if args.url:
             url, pid, cache_dir = args.url, args.pid, None
         else:
             model = tiny.build(workdir / "tiny")
             env = {"QVL_AUTH": args.auth} if args.auth else {}
+            engine_flags = ("--kv-memory", args.kv_memory)
+            engine = f"on the tiny model, {args.kv_memory} of kept conversations"
+            if args.backend:
+                (workdir / "backend").mkdir()
+                backend = launch(str(model), workdir / "backend", *engine_flags)
+                api_ready(backend.url)
+                print(f"launched app.py (pid {backend.proc.pid}) at {backend.url} {engine}, as the backend", flush=True)
+                engine_flags, engine = ("--backend", backend.url + "v1"), f"in front of it (--backend {backend.url}v1)"
             server = launch(str(model), workdir, "--queue-size", str(args.queue_size),
-                            "--max-sessions", str(args.max_sessions), "--kv-memory", args.kv_memory, env=env)
+                            "--max-sessions", str(args.max_sessions), *engine_flags, env=env)
             url, pid, cache_dir = server.url, server.proc.pid, server.cache_dir
-            print(f"launched app.py (pid {pid}) at {url} on the tiny model, queue size {args.queue_size}, "
-                  f"{args.max_sessions} sessions, {args.kv_memory} of kept conversations", flush=True)
+            print(f"launched app.py (pid {pid}) at {url} {engine}, queue size {args.queue_size}, "
+                  f"{args.max_sessions} sessions", flush=True)
         idle = idle_cpu(url, auth, pid, workdir, args.idle) if args.idle and pid else None
         if idle is not None:
             print("idle done", flush=True)
@@ -463,15 +492,18 @@ def main(argv=None) -> int:
             for problem in t.problems[:10]:
                 print(f"{t.name}: {problem}")
         healthy = all(t.lost == 0 and t.wrong == 0 and not t.problems for t in tallies)
-        if server is not None:
-            code = server.stop()
-            freed = port_free(server.port)
-            print(f"SIGTERM: exit code {code}, port {server.port} {'freed' if freed else 'STILL IN USE'}")
-            healthy = healthy and code == 0 and freed
+        # The app asked first, then the backend it may still be asking.
+        for what, launched in (("SIGTERM", server), ("SIGTERM to the backend", backend)):
+            if launched is not None:
+                code = launched.stop()
+                freed = port_free(launched.port)
+                print(f"{what}: exit code {code}, port {launched.port} {'freed' if freed else 'STILL IN USE'}")
+                healthy = healthy and code == 0 and freed
         return 0 if healthy else 1
     finally:
-        if server is not None:
-            server.stop()
+        for launched in (server, backend):
+            if launched is not None:
+                launched.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

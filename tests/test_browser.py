@@ -6,6 +6,9 @@ from pathlib import Path
 import pytest
 
 from qvl.ui import ASSETS
+from test_openai_api import serving
+from test_remote import ended
+from test_robustness import watch
 
 sync_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = Path("/usr/bin/chromium")
@@ -115,6 +118,25 @@ def test_upload_ask_stream_stop_and_change_threads(browser, app):
     assert page.locator("#cache-status >> text=Conversation memory: on").count() == 1
     assert "hits" in page.locator("#cache-status").inner_text().split("Conversation memory:")[1]
     shoot(page, "screenshot-settings.png", full_page=True)
+
+
+def test_a_second_app_in_front_of_the_first_streams_and_stop_ends_the_answer_on_both(browser, engine, launch_app,
+                                                                                    tmp_path, monkeypatch):
+    # The first (--backend's) in this process, so its engine is watched; the second asks it for 3000 tokens, and
+    # it never answers in fewer, so only Stop ends the answer early.
+    engine.ready.set()
+    runs = watch(monkeypatch, engine)
+    with serving(engine, tmp_path, "--min-new-tokens", "3000", "--max-new-tokens", "3000") as first, \
+            launch_app("--backend", first + "v1", "--max-new-tokens", "3000") as second:
+        page = open_page(browser, second)
+        send(page, "Tell me a long story.")
+        wait_for_growing_answer(page)
+        stop(page)
+        stopped = answer(page)
+        time.sleep(1)
+        assert answer(page) == stopped  # nothing more arrives
+        assert page.locator("#ask textarea").is_enabled()
+        assert ended(runs)["pieces"] < 3000  # the first's generation ended too
 
 
 def test_the_empty_chat_offers_examples_and_enter_on_an_empty_box_sends_nothing(browser, app):

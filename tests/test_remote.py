@@ -1,14 +1,17 @@
 """A qvl that fronts another (--backend): two app processes, the second answering through the first's OpenAI API."""
 import re
 import shlex
+import time
 from pathlib import Path
 
 import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
+from qvl import stress
 from qvl.ui import ASSETS
-from test_openai_api import KEY, ready
+from test_openai_api import KEY, ready, serving
+from test_robustness import watch
 
 CHART = str(ASSETS / "chart.png")
 SHORT = dict(use_cache=True, max_new_tokens=64, api_name="/ask")
@@ -56,3 +59,26 @@ def test_a_second_app_fronts_the_first_caches_its_answers_and_outlives_it(launch
                 if line.startswith("import time")}
     assert "gradio" in imported and not {"torch", "transformers"} & imported
     assert "answer failed" not in second.log.read_text()  # a gone backend is no fault of the app's: no traceback
+
+
+def ended(runs: list[dict], timeout: float = 60) -> dict:
+    """The first generation `watch` saw, once it was closed; it must not have run to its end."""
+    deadline = time.monotonic() + timeout
+    while not (runs and runs[0]["closed"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runs and runs[0]["closed"] and not runs[0]["finished"]
+    return runs[0]
+
+
+def test_a_client_that_leaves_the_second_app_ends_the_generation_on_the_first(engine, tmp_path, monkeypatch,
+                                                                              launch_app):
+    # The first in this process, so its engine is watched; its answers are never shorter than the 2000 tokens asked
+    # for, so only a closed stream ends one early.
+    engine.ready.set()
+    runs = watch(monkeypatch, engine)
+    with serving(engine, tmp_path, "--min-new-tokens", "3000", "--max-new-tokens", "3000") as first, \
+            launch_app("--backend", first + "v1") as second:
+        stress.disconnect(second.url, None)  # asks the second's `ask` for 2000 tokens, leaves once they stream
+        assert ended(runs)["pieces"] < 2000
+        answer, status = Client(second.url, verbose=False).predict([], "Next?", **{**SHORT, "max_new_tokens": 4})
+        assert "first token" in status and runs[-1]["finished"]  # the first is free for the next question

@@ -23,6 +23,18 @@ def test_the_stress_run_answers_everything_and_prints_its_figures():
     assert "SIGTERM: exit code 0" in done.stdout and "freed" in done.stdout
 
 
+def test_the_stress_run_through_a_second_app_in_front_of_the_first_answers_everything():
+    done = subprocess.run(
+        [sys.executable, "-m", "qvl.stress", "--backend", "--clients", "3", "--soak", "6", "--new-client-every", "3",
+         "--max-sessions", "4", "--queue-size", "4", "--idle", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "as the backend" in done.stdout and "in front of it (--backend http://127.0.0.1:" in done.stdout
+    lost = {line.split("|")[0].strip(): line.split("|")[5].strip() for line in done.stdout.splitlines() if "|" in line}
+    assert lost == {"scenario": "lost", "load": "0", "soak": "0", "faults": "0"}
+    assert "SIGTERM: exit code 0" in done.stdout and "SIGTERM to the backend: exit code 0" in done.stdout
+
+
 @pytest.mark.parametrize("module", ["qvl.stress", "qvl.bench", "qvl.tiny"])
 def test_every_command_explains_itself(module):
     done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
