@@ -37,7 +37,6 @@ class RemoteEngine:
                                  timeout=httpx.Timeout(settings.backend_timeout, connect=10.0))
         self.model = settings.backend_model
         self.ready = threading.Event()
-        self._stop = threading.Event()
 
     @property
     def model_id(self) -> str:
@@ -57,10 +56,6 @@ class RemoteEngine:
 
     def forget(self):
         """Nothing is kept here to forget."""
-
-    def stop(self):
-        """End the running answers at their next piece, closing their streams from the backend."""
-        self._stop.set()
 
     def warm_up(self, pictures: list, question: str):
         """Learn the backend's model name if it was not given; then ready, even if the backend is down (each request
@@ -124,7 +119,6 @@ class RemoteEngine:
         conversation.check(turns)
         messages, image_tokens = self.messages(turns, params)
         self._resolve()
-        self._stop.clear()
         body = {"model": self.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
                 "max_tokens": params.max_new_tokens, "seed": params.seed}
         body.update({"temperature": 0} if params.greedy else
@@ -134,8 +128,6 @@ class RemoteEngine:
         response = self._call(lambda: self.http.send(request, stream=True))
         try:
             for line in response.iter_lines():
-                if self._stop.is_set():
-                    break
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -159,8 +151,7 @@ class RemoteEngine:
             raise EngineError("backend_cut", f"{type(e).__name__}: {e}") from None
         finally:
             response.close()
-        stopped = self._stop.is_set()
-        if not done and not stopped:
+        if not done:
             raise EngineError("backend_cut", "the stream ended without [DONE]")
         end = time.perf_counter()
         first = first or end
@@ -168,7 +159,7 @@ class RemoteEngine:
         yield Stats(
             prompt_tokens=usage.get("prompt_tokens", 0), image_tokens=image_tokens, new_tokens=new_tokens,
             ttft_s=first - start, decode_tok_s=(new_tokens - 1) / (end - first) if new_tokens > 1 and end > first else 0.0,
-            total_s=end - start, stopped=stopped, truncated=finish == "length",
+            total_s=end - start, stopped=False, truncated=finish == "length",  # a stopped answer is closed first
             reused_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
