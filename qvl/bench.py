@@ -34,7 +34,7 @@ import torch
 from PIL import Image, ImageDraw
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from qvl import cpu, generate, quant, settings, tiny
+from qvl import cpu, generate, lean, quant, settings, tiny
 from qvl.engine import Engine, Turn
 
 CONFIG = Path(__file__).with_name("qwen3-vl-2b-instruct.config.json")
@@ -174,6 +174,36 @@ def scenarios(engine, names, params) -> list[dict]:
     return out
 
 
+def step_split(model, prompt_tokens: int, steps: int = 12) -> dict:
+    """The lean decode step's median time after a text prompt of prompt_tokens, and its overhead: the same step with
+    every linear of the text decoder and the head answering a ready-made output, so what is left is everything else
+    (norms, rope, attention over the cache, residuals, dispatch). The two alternate, so noise hits both alike."""
+    text = model.model.language_model
+    linears = [m for layer in text.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
+    outputs = [torch.randn(1, 1, m.out_features) * 0.1 for m in linears]
+    with torch.inference_mode():
+        prefill = generate._forward(model, input_ids=torch.randint(0, 256, (1, prompt_tokens)))
+        full, stubbed = (lean.Decoder(model, prefill.cache, steps + 2) for _ in range(2))
+        full.step(7)
+        times = {"full": [], "stubbed": []}
+        for _ in range(steps):
+            start = time.perf_counter()
+            full.step(7)
+            times["full"].append(time.perf_counter() - start)
+            for m, out in zip(linears, outputs):
+                m.forward = lambda x, out=out: out
+            try:
+                start = time.perf_counter()
+                stubbed.step(7)
+                times["stubbed"].append(time.perf_counter() - start)
+            finally:
+                for m in linears:
+                    del m.forward
+    return {"step_ms": statistics.median(times["full"]) * 1e3,
+            "step_overhead_ms": statistics.median(times["stubbed"]) * 1e3}
+
+
 def process_age() -> float:
     """Seconds since this process started, its imports included (Linux: the start time in /proc/self/stat)."""
     ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
@@ -203,6 +233,7 @@ def child(args):
     # What serving costs: taken before the fidelity pass, whose full-vocabulary logits are the bench's own load.
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     inputs, image_tokens = engine._inputs([turn], params)
+    split = step_split(engine.model, runs[0].prompt_tokens)
     reference = Path(args.reference)
     if args.child == "fp32":
         ids = list(generate.stream(engine.model, inputs, params, threading.Event()))
@@ -214,7 +245,7 @@ def child(args):
         "decode_tok_s": statistics.median(s.decode_tok_s for s in runs),
         "e2e_s": statistics.median(s.total_s for s in runs),
         "image_tokens": image_tokens, "prompt_tokens": runs[0].prompt_tokens, "new_tokens": runs[0].new_tokens,
-        "decode_gb": decode_bytes(engine.model) / 1e9, "kv_memory_gb": engine.kv.limit / 1e9 if engine.kv else 0,
+        **split, "decode_gb": decode_bytes(engine.model) / 1e9, "kv_memory_gb": engine.kv.limit / 1e9 if engine.kv else 0,
     }
     if memory:
         row["scenarios"] = memory
@@ -239,7 +270,7 @@ def run_row(name: str, model: str, runs: int, reference: Path, memory: str) -> d
 
 
 COLUMNS = ["name", "ready_s", "load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "bound_tok_s",
-           "of_bound", "sqnr_db", "kl", "top1_agreement"]
+           "of_bound", "step_ms", "step_overhead_ms", "sqnr_db", "kl", "top1_agreement"]
 
 
 def table(rows: list[dict]) -> str:

@@ -183,8 +183,9 @@ class Engine:
             self._stop.clear()
             prefill, prompt, reused, cached = self._prefill(inputs, params.max_new_tokens)
             ids, sent, first, failed = [], "", None, False
+            tokens = generate.stream(self.model, prefill, params, self._stop)
             try:
-                for token in generate.stream(self.model, prefill, params, self._stop):
+                for token in tokens:
                     first = first or time.perf_counter()
                     ids.append(token)
                     text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
@@ -195,6 +196,7 @@ class Engine:
                 failed = True  # a cache a failed step may have half-updated is not kept
                 raise
             finally:
+                tokens.close()  # the stream hands its decoded positions to the cache here
                 if self.kv is not None and not failed:
                     # What the cache holds: the prompt and the answer tokens fed back (not the last one, nor one
                     # left unfed by a client that went away); stopped answers too, for a follow-up to reuse.

@@ -1,16 +1,16 @@
-"""Token generation as a stream of ids: a lean decode loop that stops within one step.
+"""Token generation as a stream of ids: one prefill call, then lean decode steps, stopping within one step.
 
 HF generate() spends ~24 ms of framework work per decode step on 2 cores (logits processors, stopping criteria,
-cache bookkeeping); a 2B model's int4 step is only a few times that, so the loop is written out here: one prefill
-call, then one call per token that passes the cache. Qwen3-VL rebuilds its M-RoPE positions from the rope_deltas
-kept on the model object (stored by a whole-prompt prefill, or set by the engine when it passes positions), so the
-decode calls need only the new token.
+cache bookkeeping), and the model's own forward more (see qvl.lean); a 2B model's quantized step is only a few
+times that, so the loop is written out here: transformers' forward for the prompt (images, M-RoPE positions,
+deepstack), then lean.Decoder for each new token.
 """
 import threading
 from collections.abc import Iterator
 
 import torch
 
+from qvl import lean
 from qvl.settings import GenParams
 
 
@@ -42,17 +42,24 @@ def _forward(model, **inputs):
 
 
 def stream(model, inputs: dict, params: GenParams, stop: threading.Event) -> Iterator[int]:
-    """Yield new token ids one by one. Setting stop, or closing the iterator, ends generation before the next step."""
+    """Yield new token ids one by one. Setting stop, or closing the iterator, ends generation before the next step.
+
+    The prompt's cache (inputs["cache"], or a new one) holds, once the iterator is done or closed, the prompt and
+    every token fed back.
+    """
     eos = _eos_ids(model)
     rng = torch.Generator().manual_seed(params.seed)
     out = _forward(model, **inputs)
-    for produced in range(params.max_new_tokens):
-        logits = out.logits[0, -1]
-        if produced < params.min_new_tokens and eos:
-            logits = logits.clone()
-            logits[eos] = float("-inf")
-        token = _pick(logits, params, rng)
-        yield token
-        if token in eos or stop.is_set() or produced + 1 == params.max_new_tokens:
-            return
-        out = _forward(model, input_ids=torch.tensor([[token]]), cache=out.cache)
+    logits, decoder = out.logits[0, -1], lean.Decoder(model, out.cache, params.max_new_tokens)
+    try:
+        for produced in range(params.max_new_tokens):
+            if produced < params.min_new_tokens and eos:
+                logits = logits.clone()
+                logits[eos] = float("-inf")
+            token = _pick(logits, params, rng)
+            yield token
+            if token in eos or stop.is_set() or produced + 1 == params.max_new_tokens:
+                return
+            logits = decoder.step(token)
+    finally:
+        decoder.close()

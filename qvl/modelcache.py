@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qvl import heap, quant
+from qvl import heap, lean, quant
 
 log = logging.getLogger("qvl")
 
-LAYOUT = "1"  # what is stored for each module: change it whenever that changes, so older files are rebuilt
+LAYOUT = "2"  # what is stored for each module: change it whenever that changes, so older files are rebuilt
 _NAMES = {dtype: name for name, dtype in quant.DTYPES.items()}
 _FBGEMM = torch.ao.nn.quantized.dynamic.Linear
 
@@ -127,6 +127,7 @@ def _read(file: Path, source: str, want: dict) -> nn.Module:
     if f"{crc:08x}" != metadata["crc32"]:
         raise ValueError("data does not match its CRC-32")
     model = quant.skeleton(source)
+    lean.fuse(model, copy=False)
     modules = list(model.named_modules())
     linears = [(prefix, functools.partial(_linear, tensors, prefix, module.out_features))
                for prefix, module in modules if isinstance(module, nn.Linear)]

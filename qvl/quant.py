@@ -24,7 +24,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.initialization import no_init_weights
 
-from qvl import cpu, heap
+from qvl import cpu, heap, lean
 
 log = logging.getLogger("qvl")
 
@@ -210,7 +210,8 @@ def _load_converting(folder: str, convert) -> nn.Module:
     """
     model = skeleton(folder)
     config = model.config
-    expected, loaded = set(model.state_dict()), set()
+    expected, loaded = set(model.state_dict()), set()  # the checkpoint's names, before fusing
+    lean.fuse(model, copy=False)
     embedding = EMBEDDING + ".weight"
 
     def linears():
@@ -220,19 +221,24 @@ def _load_converting(folder: str, convert) -> nn.Module:
                 raise KeyError(f"unexpected checkpoint tensor {name}")
             if name in loaded:  # a tied head saved anyway: it is the embedding, already in
                 continue
+            loaded.add(name)
+            if module_name := lean.place(model, name, tensor):  # q/k/v or gate/up: rows of a fused linear
+                module = model.get_submodule(module_name)
+                if set(lean.sources(module_name, module)) <= loaded:
+                    yield module_name, functools.partial(convert, module_name, module)
+                continue
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)
             if attr in module._parameters:
                 module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
             else:
                 module._buffers[attr] = tensor
-            loaded.add(name)
             if name == embedding and config.tie_word_embeddings:
                 # The head is the token table: quantize it now, while little else is resident (~1 GB of room).
                 model.lm_head.weight = module.weight
                 loaded.add("lm_head.weight")
                 yield "lm_head", functools.partial(convert, "lm_head", model.lm_head)
-            elif isinstance(module, nn.Linear) and {f"{module_name}.{p}" for p, v in module._parameters.items() if v is not None} <= loaded:
+            elif isinstance(module, nn.Linear) and set(lean.sources(module_name, module)) <= loaded:
                 yield module_name, functools.partial(convert, module_name, module)
 
     for name, converted in side_by_side(linears()):
@@ -274,13 +280,16 @@ def load_model(source: str, mode: str):
     mode = resolve(mode)
     if mode in ("fp32", "bf16"):
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
-        return AutoModelForImageTextToText.from_pretrained(source, dtype=dtype).eval(), describe(mode)
+        model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype).eval()
+        lean.fuse(model)
+        return model, describe(mode)
     convert = _int8 if mode == "int8" else _int4
     try:
         model = _load_converting(source, convert)
     except KeyError as e:  # a layout this loader does not know: convert after a whole bf16 load (more memory)
         log.warning("%s: loading the checkpoint whole before quantizing it", e)
         model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.bfloat16).eval()
+        lean.fuse(model)
         _replace_linears(model, convert)
     text = model.model.language_model
     # The head is tied to the token table: the head was quantized for its per-step matmul, while the table stays a

@@ -38,7 +38,7 @@ def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path
     assert [r["name"] for r in data["rows"]] == ["fp32", "auto", "auto-warm"]
     for row in data["rows"]:
         assert {"ready_s", "load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "sqnr_db", "kl",
-                "top1_agreement"} <= set(row)
+                "top1_agreement", "step_ms", "step_overhead_ms"} <= set(row)
         assert row["new_tokens"] == bench.NEW_TOKENS and row["image_tokens"] == 300
         assert [s["name"] for s in row["scenarios"]] == ["regenerate"]
     assert math.isinf(data["rows"][0]["sqnr_db"]) and data["rows"][1]["sqnr_db"] < 60
@@ -55,3 +55,21 @@ def test_memory_scenarios_reuse_and_time_the_same_request_cold(engine):
         assert r["ttft_s"] > 0 and r["cold_ttft_s"] > 0 and r["reused_tokens"] > 0
     prompt = engine._inputs([bench.Turn("user", bench.QUESTION, (bench.photo(),))], params)[0]["input_ids"].shape[1]
     assert results[-1]["reused_tokens"] == prompt - 1  # Regenerate: all but the last prompt token
+
+
+def test_step_overhead_is_the_step_without_its_matmuls_and_leaves_the_model_as_it_was(engine, monkeypatch):
+    turn = bench.Turn("user", bench.QUESTION, (bench.photo(),))
+    params = settings.GenParams(greedy=True, max_new_tokens=8, min_new_tokens=8)
+    before = list(engine.chat([turn], params))[:-1]
+    calls = []
+    linear = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: calls.append(1) or linear(self, x))
+    split = bench.step_split(engine.model, 20, steps=3)
+    layers = len(engine.model.model.language_model.layers)
+    # The prefill, the first (untimed) step and the 3 timed full steps call every text linear and the head once;
+    # the 3 stubbed steps call none.
+    assert len(calls) == (1 + 1 + 3) * (4 * layers + 1)
+    assert split["step_ms"] > 0 and split["step_overhead_ms"] > 0
+    assert not any("forward" in vars(m) for m in engine.model.modules())
+    engine.forget()
+    assert list(engine.chat([turn], params))[:-1] == before

@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from qvl import generate, quant, settings
+from qvl import generate, lean, quant, settings
 from qvl.engine import Engine, Turn
 from qvl.settings import GenParams
 
@@ -74,7 +74,7 @@ def test_sampling_is_reproducible_per_seed_and_stops_at_eos(tiny_dir, engine):
         assert all(t not in eos for t in answer[:-1])  # nothing is generated after an end-of-sequence token
 
 
-def test_stop_event_and_closing_end_generation_within_one_step(tiny_dir, engine):
+def test_stop_event_and_closing_end_generation_within_one_step(tiny_dir, engine, monkeypatch):
     inputs, _ = engine._inputs([Turn("user", "hello")], GenParams())
     params = GenParams(greedy=True, max_new_tokens=50, min_new_tokens=50)
     stop = threading.Event()
@@ -85,13 +85,13 @@ def test_stop_event_and_closing_end_generation_within_one_step(tiny_dir, engine)
             stop.set()
     assert len(tokens) == 3
     calls = []
-    model = engine.model
-    counting = lambda **kw: calls.append(1) or model(**kw)
-    counting.generation_config = model.generation_config
-    it = generate.stream(counting, inputs, params, threading.Event())
+    model, forward, step = engine.model, generate._forward, lean.Decoder.step
+    monkeypatch.setattr(generate, "_forward", lambda model, **kw: calls.append("prefill") or forward(model, **kw))
+    monkeypatch.setattr(lean.Decoder, "step", lambda self, token: calls.append("step") or step(self, token))
+    it = generate.stream(model, inputs, params, threading.Event())
     next(it), next(it)
     it.close()
-    assert len(calls) == 2  # the prefill and one decode step; none after the close
+    assert calls == ["prefill", "step"]  # none after the close
 
 
 def _logits(model):
@@ -105,6 +105,7 @@ def test_the_streamed_load_builds_the_same_model_as_converting_a_whole_load(tiny
 
     streamed = quant._load_converting(str(tiny_dir), quant._int8)
     whole = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    lean.fuse(whole)
     quant._replace_linears(whole, quant._int8)
     assert torch.equal(_logits(streamed), _logits(whole))
     assert not any(isinstance(m, torch.nn.Linear) for m in streamed.modules())  # the tied head too

@@ -1,0 +1,179 @@
+"""The text decoder's decode step written out, in the spirit of gpt-fast, and the fused linears it runs on.
+
+transformers' forward spends a large share of a quantized 2B decode step outside the matmuls: a cache object and a
+causal mask per call, M-RoPE positions rebuilt from the cache, a concatenation of every layer's keys and values,
+and five linears per layer that each quantize the same activation again. Decoder.step is one token through the
+text decoder: its own loop over the layers, keys and values written into buffers with room for the whole answer,
+the position computed directly (after the prompt all three M-RoPE sections advance together, from the cache
+length plus the rope_deltas the prompt left on the model), q/k/v as one linear and gate/up as one.
+
+Fusing is exact: int8 and int4 weights are quantized row by row (per output channel, or per group along a row),
+so the rows of the fused weight are the rows of the separate ones, and fbgemm quantizes the shared input once with
+the scale each of the three would have computed. Prefill stays on transformers' forward (images, deepstack,
+3-D positions, causal mask), which calls the fused modules through the same interface as its own.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+from transformers.initialization import no_init_weights
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb, eager_attention_forward, rotate_half
+
+# A fused linear's name -> the checkpoint linears whose rows it holds, in order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+PART = {part: (fused, i) for fused, parts in FUSED.items() for i, part in enumerate(parts)}
+
+
+def _linear(parts: list[nn.Linear], copy: bool) -> nn.Linear:
+    """One linear with the parts' output rows stacked; copy=False leaves its weights unset (never touched, so not
+    resident) for a loader to fill."""
+    first = parts[0]
+    with no_init_weights():
+        out = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                        dtype=first.weight.dtype)
+    out.requires_grad_(False)
+    if copy:
+        out.weight.copy_(torch.cat([p.weight for p in parts]))
+        if out.bias is not None:
+            out.bias.copy_(torch.cat([p.bias for p in parts]))
+    return out
+
+
+class Attention(nn.Module):
+    """Qwen3-VL's text attention with one q/k/v linear; forward() is transformers' interface, step() the lean one."""
+
+    def __init__(self, hf: nn.Module, copy: bool):
+        super().__init__()
+        self.config, self.layer_idx, self.head_dim, self.scaling = hf.config, hf.layer_idx, hf.head_dim, hf.scaling
+        self.num_key_value_groups, self.is_causal, self.attention_dropout = hf.num_key_value_groups, True, 0.0
+        self.sizes = [hf.q_proj.out_features, hf.k_proj.out_features, hf.v_proj.out_features]
+        self.heads = [size // self.head_dim for size in self.sizes]
+        self.qkv_proj = _linear([hf.q_proj, hf.k_proj, hf.v_proj], copy)
+        self.o_proj, self.q_norm, self.k_norm = hf.o_proj, hf.q_norm, hf.k_norm
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q, k, v = self.qkv_proj(x).view(*x.shape[:-1], -1, self.head_dim).split(self.heads, -2)
+        q, k = apply_rotary_pos_emb(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), cos, sin)
+        return q, k, v.transpose(1, 2)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        q, k, v = self._qkv(hidden_states, *position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+    def step(self, x, cos, sin, keys: torch.Tensor, values: torch.Tensor, n: int, qk_weight: torch.Tensor):
+        """One new position n: its keys and values written into the buffers, attending to positions 0..n.
+
+        q and k are normalised and rotated together (qk_weight: q_norm's weight for each query head, then k_norm's
+        for each key head): each elementwise op costs ~5 us whatever its size, and a layer has dozens.
+        """
+        qkv = self.qkv_proj(x).view(1, -1, 1, self.head_dim)
+        qk, v = qkv.split([self.heads[0] + self.heads[1], self.heads[2]], 1)
+        qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + self.q_norm.variance_epsilon) * qk_weight
+        q, k = (qk * cos + rotate_half(qk) * sin).split(self.heads[:2], 1)
+        keys[:, :, n:n + 1] = k
+        values[:, :, n:n + 1] = v
+        # Grouped-query attention as two small matmuls: each key/value head with the query heads that share it
+        # (SDPA's CPU kernel takes longer for one query row).
+        groups = q.view(1, keys.shape[1], -1, self.head_dim)
+        scores = (groups @ keys[:, :, :n + 1].transpose(2, 3)) * self.scaling
+        out = scores.softmax(-1) @ values[:, :, :n + 1]
+        return self.o_proj(out.view(1, 1, -1))
+
+    def qk_weight(self) -> torch.Tensor:
+        return torch.cat([self.q_norm.weight.expand(self.heads[0], 1, -1), self.k_norm.weight.expand(self.heads[1], 1, -1)])
+
+
+def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Qwen's RMSNorm as one fused op: its module's five small ops cost ~10% of a quantized 2B step."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+class MLP(nn.Module):
+    """Qwen3-VL's gated MLP with one gate/up linear."""
+
+    def __init__(self, hf: nn.Module, copy: bool):
+        super().__init__()
+        self.sizes = [hf.gate_proj.out_features, hf.up_proj.out_features]
+        self.gate_up_proj = _linear([hf.gate_proj, hf.up_proj], copy)
+        self.down_proj, self.act_fn = hf.down_proj, hf.act_fn
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.sizes, -1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def fuse(model: nn.Module, copy: bool = True):
+    """Give every text decoder layer its fused attention and MLP; copy=False for a skeleton a loader fills."""
+    for layer in model.model.language_model.layers:
+        layer.self_attn = Attention(layer.self_attn, copy)
+        layer.mlp = MLP(layer.mlp, copy)
+
+
+def sources(name: str, module: nn.Linear) -> list[str]:
+    """The checkpoint's names for what fills the linear at name (its own parameters, or its parts')."""
+    parent, _, child = name.rpartition(".")
+    params = [p for p, v in module._parameters.items() if v is not None]
+    return [f"{parent}.{part}.{p}" for part in FUSED.get(child, (child,)) for p in params]
+
+
+def place(model: nn.Module, name: str, tensor: torch.Tensor) -> str | None:
+    """Copy a checkpoint tensor that is part of a fused linear into its rows and return that linear's name; None for
+    any other tensor."""
+    module_name, _, param = name.rpartition(".")
+    parent, _, child = module_name.rpartition(".")
+    if child not in PART:
+        return None
+    fused, index = PART[child]
+    owner = model.get_submodule(parent)
+    linear = getattr(owner, fused)
+    if getattr(linear, param).dtype != tensor.dtype:  # the skeleton is bf16; a checkpoint may hold another dtype
+        setattr(linear, param, nn.Parameter(torch.empty(getattr(linear, param).shape, dtype=tensor.dtype),
+                                            requires_grad=False))
+    start = sum(owner.sizes[:index])
+    getattr(linear, param).data[start:start + owner.sizes[index]] = tensor
+    return f"{parent}.{fused}"
+
+
+class Decoder:
+    """Decode steps after a prefill: keys and values in buffers with room for `room` more positions.
+
+    The prefill's cache is moved into the buffers a layer at a time (its layers then view them), and close() hands
+    each layer back as an exact-size copy holding every decoded position, a layer at a time: what the cache would
+    hold had transformers' forward decoded, for conversation memory to keep, and never two copies of it at once.
+    """
+
+    def __init__(self, model: nn.Module, cache: DynamicCache, room: int):
+        self.model, self.text, self.cache = model, model.model.language_model, cache
+        self.n = cache.get_seq_length()
+        self.delta = int(model.model.rope_deltas.reshape(-1)[0]) if model.model.rope_deltas is not None else 0
+        self.qk_weights = [layer.self_attn.qk_weight() for layer in self.text.layers]
+        self.keys, self.values = [], []
+        for layer in cache.layers:
+            for name, buffers in (("keys", self.keys), ("values", self.values)):
+                source = getattr(layer, name)
+                buffer = source.new_empty(*source.shape[:2], self.n + room, source.shape[3])
+                buffer[:, :, :self.n] = source
+                setattr(layer, name, buffer[:, :, :self.n])
+                buffers.append(buffer)
+
+    @torch.inference_mode()
+    def step(self, token: int) -> torch.Tensor:
+        """The next position's logits (one vocabulary-sized row) after feeding token."""
+        x = self.text.embed_tokens(torch.tensor([[token]]))
+        cos, sin = self.text.rotary_emb(x, torch.full((3, 1, 1), self.n + self.delta))
+        for layer, keys, values, qk_weight in zip(self.text.layers, self.keys, self.values, self.qk_weights):
+            x = x + layer.self_attn.step(_norm(layer.input_layernorm, x), cos, sin, keys, values, self.n, qk_weight)
+            x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
+        self.n += 1
+        return self.model.lm_head(_norm(self.text.norm, x))[0, -1]
+
+    def close(self):
+        for i, layer in enumerate(self.cache.layers):
+            if self.keys[i] is not None:
+                layer.keys, self.keys[i] = self.keys[i][:, :, :self.n].clone(), None
+                layer.values, self.values[i] = self.values[i][:, :, :self.n].clone(), None

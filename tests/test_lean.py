@@ -1,0 +1,120 @@
+"""The lean decode step and the fused linears (qvl.lean) compute what transformers' own model computes."""
+import threading
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForImageTextToText, DynamicCache
+
+from qvl import generate, lean, quant, settings
+from qvl.engine import Turn
+from test_engine import picture
+
+STEPS = 40
+# fp32 on the same inputs; the fused q/k/v and gate/up matmuls may sum in another order than three separate ones.
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir):
+    """transformers' own Qwen3-VL, its layers as they come: the reference."""
+    return AutoModelForImageTextToText.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def prompt(engine):
+    """A prompt with an image, so that decode positions depend on the rope_deltas its M-RoPE positions leave."""
+    inputs, _ = engine._inputs([Turn("user", "What is in this picture?", (picture(),))], settings.GenParams())
+    return inputs
+
+
+def _spy(monkeypatch) -> list:
+    """Record each lean attention step: proof that the lean path, not transformers' forward, decoded."""
+    calls, step = [], lean.Attention.step
+
+    def recorded(self, *args):
+        calls.append(self.layer_idx)
+        return step(self, *args)
+
+    monkeypatch.setattr(lean.Attention, "step", recorded)
+    return calls
+
+
+def test_every_text_layer_is_fused_and_the_vision_tower_left_alone(engine):
+    model = engine.model
+    for layer in model.model.language_model.layers:
+        assert isinstance(layer.self_attn, lean.Attention) and isinstance(layer.mlp, lean.MLP)
+    names = {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    assert {"qkv_proj", "gate_up_proj"} <= names and not {"q_proj", "k_proj", "gate_proj", "up_proj"} & names
+    assert any(isinstance(m, nn.Linear) for m in model.model.visual.modules())
+
+
+def test_lean_steps_give_transformers_logits_position_by_position(engine, plain, prompt, monkeypatch):
+    tokens = torch.randint(0, 256, (STEPS,), generator=torch.Generator().manual_seed(0)).tolist()
+    calls = _spy(monkeypatch)
+    with torch.inference_mode():
+        ours = generate._forward(engine.model, **prompt)
+        reference = plain(**prompt, use_cache=True, logits_to_keep=1)
+        assert int(engine.model.model.rope_deltas.abs().max()) > 0  # the image moved text positions
+        decoder = lean.Decoder(engine.model, ours.cache, STEPS)
+        for i, token in enumerate(tokens):
+            logits = decoder.step(token)
+            reference = plain(input_ids=torch.tensor([[token]]), cache=reference.cache, use_cache=True,
+                              logits_to_keep=1)
+            expected = reference.logits[0, -1]
+            assert (logits - expected).abs().max() <= TOLERANCE * expected.abs().max(), f"step {i}"
+            assert logits.argmax() == expected.argmax()
+    assert len(calls) == STEPS * len(engine.model.model.language_model.layers)
+
+
+def test_a_sampled_answer_and_the_cache_it_leaves_match_transformers(engine, plain, prompt, monkeypatch):
+    """Sampling (so that the tiny model's answer varies), same seed: the same tokens, and close() leaves the cache
+    that transformers' decoding leaves, which conversation memory keeps for the follow-up."""
+    params = settings.GenParams(greedy=False, temperature=1.0, top_k=0, top_p=1.0, seed=3, max_new_tokens=STEPS,
+                                min_new_tokens=STEPS)
+    calls = _spy(monkeypatch)
+    ids = list(generate.stream(engine.model, prompt, params, threading.Event()))
+    assert len(set(ids)) > 5 and len(calls) == (STEPS - 1) * len(engine.model.model.language_model.layers)
+
+    rng, expected = torch.Generator().manual_seed(params.seed), []
+    with torch.inference_mode():
+        out = plain(**prompt, use_cache=True, logits_to_keep=1)
+        for _ in range(STEPS):
+            expected.append(generate._pick(out.logits[0, -1], params, rng))
+            if len(expected) < STEPS:
+                out = plain(input_ids=torch.tensor([expected[-1]]).view(1, 1), cache=out.cache, use_cache=True,
+                            logits_to_keep=1)
+    assert ids == expected
+
+    cache = DynamicCache(config=engine.model.config)
+    for _ in generate.stream(engine.model, dict(prompt, cache=cache), params, threading.Event()):
+        pass
+    assert cache.get_seq_length() == out.cache.get_seq_length() == prompt["input_ids"].shape[1] + STEPS - 1
+    for ours, theirs in zip(cache.layers, out.cache.layers):
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+            assert a.untyped_storage().nbytes() == a.numel() * a.element_size()  # no spare room kept
+
+
+def test_a_stream_closed_early_leaves_only_the_tokens_fed_back(engine, prompt):
+    params = settings.GenParams(greedy=True, max_new_tokens=STEPS, min_new_tokens=STEPS)
+    cache = DynamicCache(config=engine.model.config)
+    tokens = generate.stream(engine.model, dict(prompt, cache=cache), params, threading.Event())
+    taken = [next(tokens) for _ in range(5)]
+    tokens.close()
+    assert len(taken) == 5 and cache.get_seq_length() == prompt["input_ids"].shape[1] + 4
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_fused_quantized_linears_are_exactly_the_separate_ones(kind):
+    """Weights are quantized row by row and the input once, so fusing changes no output bit."""
+    torch.manual_seed(0)
+    parts = [nn.Linear(256, n, bias=False).to(torch.bfloat16) for n in (128, 64, 64)]
+    fused = lean._linear(parts, copy=True)
+    convert = quant._int8 if kind == "int8" else quant._int4
+    separate = [convert(f"model.language_model.layers.0.self_attn.{p}", linear)
+                for p, linear in zip(("q_proj", "k_proj", "v_proj"), parts)]
+    together = convert("model.language_model.layers.0.self_attn.qkv_proj", fused)
+    for rows in (1, 16):  # a decode row (int4's own kernel) and prefill rows (its fbgemm int8 twin)
+        x = torch.randn(rows, 256)
+        assert torch.equal(together(x), torch.cat([linear(x) for linear in separate], -1))
