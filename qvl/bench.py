@@ -4,6 +4,7 @@
     python -m qvl.bench --random-weights --rows auto --scenarios follow-up,seen-image,regenerate
     python -m qvl.bench --random-weights --rows auto,auto-warm --runs 1    # first start, then a second one
     python -m qvl.bench --model /path/to/Qwen3-VL-2B-Instruct
+    python -m qvl.bench --kernels    # one linear's decode row in each kernel: what auto's choice rests on
 
 Standard request: one 640x480 photo-like image (300 image tokens), a one-sentence question, 64 new tokens forced
 (greedy, min_new_tokens = max_new_tokens = 64), one warm-up, then --runs timed runs (medians reported). Fidelity is
@@ -204,6 +205,43 @@ def step_split(model, prompt_tokens: int, steps: int = 12) -> dict:
             "step_overhead_ms": statistics.median(times["stubbed"]) * 1e3}
 
 
+def kernels(out_features: int = 6144, in_features: int = 2048, copies: int = 24, repeats: int = 5) -> list[dict]:
+    """One decode row through one linear (gate/up-sized by default) in each kernel qvl can use without a compiler,
+    weights out of cache (a ring of copies larger than the L3 cache): time per call and weight bytes read per second.
+    """
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
+    x = torch.randn(1, in_features)
+    w = linear.weight.float()
+    scale = w.abs().amax(1) / 127
+    q = (w / scale[:, None]).round().to(torch.int8)
+    candidates = {  # name -> (make one copy of the weights, call it on x, weight bytes)
+        "fbgemm int8": (lambda: quant._dynamic_int8(linear), lambda m: m(x), 1),
+        "int4 g128, bf16 activations": (lambda: quant.Int4Linear.quantize(linear, prefill=False), lambda m: m(x), 0.5),
+        "int8 weight-only, bf16 activations": (lambda: (q.clone(), scale.bfloat16()),
+                                               lambda m: torch._weight_int8pack_mm(x.bfloat16(), *m), 1),
+        "int8 weight-only, fp32 activations": (lambda: (q.clone(), scale.clone()),
+                                               lambda m: torch._weight_int8pack_mm(x, *m), 1),
+        "fp32": (lambda: w.clone(), lambda m: x @ m.t(), 4),
+    }
+    rows = []
+    with torch.inference_mode():
+        for name, (make, call, bytes_per_weight) in candidates.items():
+            ring = [make() for _ in range(copies)]
+            call(ring[0])
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for m in ring:
+                    call(m)
+                times.append((time.perf_counter() - start) / copies)
+            seconds = statistics.median(times)
+            rows.append({"kernel": name, "ms": seconds * 1e3,
+                         "weights_gb_s": out_features * in_features * bytes_per_weight / seconds / 1e9})
+            del ring
+    return rows
+
+
 def process_age() -> float:
     """Seconds since this process started, its imports included (Linux: the start time in /proc/self/stat)."""
     ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
@@ -308,11 +346,19 @@ def main(argv=None):
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--scenarios", default="", help=f"comma-separated subset of {', '.join(SCENARIOS)}: "
                         "conversation memory, each request against itself cold")
+    parser.add_argument("--kernels", action="store_true",
+                        help="instead of the rows: one decode row through one 6144x2048 linear in each kernel")
     for hidden in ("--child", "--quant", "--reference", "--out", "--model-cache-dir"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
+    if args.kernels:
+        print(f"{cpu.describe()}; torch {torch.__version__}; one decode row, 6144x2048 weights out of cache\n")
+        print("| kernel | ms | weights GB/s |\n|---|---|---|")
+        for row in kernels():
+            print(f"| {row['kernel']} | {row['ms']:.3g} | {row['weights_gb_s']:.3g} |")
+        return
     if not args.model and not args.random_weights:
         parser.error("give --model or --random-weights")
     model = args.model or str(random_checkpoint())

@@ -73,3 +73,18 @@ def test_step_overhead_is_the_step_without_its_matmuls_and_leaves_the_model_as_i
     assert not any("forward" in vars(m) for m in engine.model.modules())
     engine.forget()
     assert list(engine.chat([turn], params))[:-1] == before
+
+
+def test_kernels_time_each_way_to_read_a_linear():
+    rows = bench.kernels(out_features=64, in_features=128, copies=2, repeats=1)
+    assert [r["kernel"] for r in rows] == ["fbgemm int8", "int4 g128, bf16 activations",
+                                           "int8 weight-only, bf16 activations", "int8 weight-only, fp32 activations",
+                                           "fp32"]
+    assert all(r["ms"] > 0 and r["weights_gb_s"] > 0 for r in rows)
+
+
+def test_the_kernels_flag_prints_its_table():
+    result = subprocess.run([sys.executable, "-m", "qvl.bench", "--kernels"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| fbgemm int8 |" in result.stdout and "| fp32 |" in result.stdout and "torch 2" in result.stdout

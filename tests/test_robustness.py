@@ -350,7 +350,8 @@ def test_a_generation_that_fails_midway_tells_the_user_and_the_next_works(inproc
             raise RuntimeError("simulated fault in the model")
 
     question = dict(images=[], question="Fail half-way?", **SAMPLED)
-    hook = inproc.engine.model.register_forward_pre_hook(fail_on_the_third_step)
+    # The head runs once for the prompt and once per decode step: the third call is the second decode step.
+    hook = inproc.engine.model.lm_head.register_forward_pre_hook(fail_on_the_third_step)
     try:
         with pytest.raises(AppError, match="Something went wrong while answering. Please try again."):
             Client(inproc.url, verbose=False).predict(**question)
