@@ -3,14 +3,17 @@
     python -m qvl.bench --random-weights [--rows fp32,int4,auto] [--runs 3] [--json FILE]
     python -m qvl.bench --random-weights --rows auto --scenarios follow-up,seen-image,regenerate
     python -m qvl.bench --random-weights --rows auto,auto-warm --runs 1    # first start, then a second one
+    python -m qvl.bench --random-weights --outliers --rows fp32,bf16,auto --runs 1   # weights with activation outliers
     python -m qvl.bench --model /path/to/Qwen3-VL-2B-Instruct
 
 Standard request: one 640x480 photo-like image (300 image tokens), a one-sentence question, 64 new tokens forced
 (greedy, min_new_tokens = max_new_tokens = 64), one warm-up, then --runs timed runs (medians reported). Fidelity is
 measured teacher-forced over the fp32 row's answer, so the `fp32` row must run first for the other rows to get it.
 Random weights give near-uniform logits: their top-1 agreement says little, and real-weight quality is only
-measured when real weights are given with --model. Each timed run starts with nothing kept (Engine.forget), as a
-first visit does.
+measured when real weights are given with --model. --outliers plants the activation outliers of real checkpoints
+(a few hidden channels 32-64x the rest in every text linear's input, which a per-tensor activation scale punishes)
+into the random weights, so that fidelity shows what quantization costs where such outliers exist (plant_outliers
+says how). Each timed run starts with nothing kept (Engine.forget), as a first visit does.
 
 Scenarios measure conversation memory: each request's time to first token after its set-up (the standard request
 and its answer), then the same request cold, with everything kept forgotten, in the same process.
@@ -39,6 +42,8 @@ from qvl.engine import Engine, Turn
 
 CONFIG = Path(__file__).with_name("qwen3-vl-2b-instruct.config.json")
 RANDOM_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "random-2b-v1"
+OUTLIER_DIR = RANDOM_DIR.with_name("random-2b-outliers-v1")
+OUTLIER_FACTORS = (32.0, 64.0)  # planted channels carry this many times the rest's activations, spread geometrically
 QUESTION = "What is in this photo? Describe the main objects, their colours and where they are."
 NEW_TOKENS = 64
 FOLLOW_UP = "What is on top?"  # 15 tokens with the random-weight checkpoint's byte tokenizer
@@ -89,6 +94,117 @@ def random_checkpoint(out: Path = RANDOM_DIR) -> Path:
         for path in tiny_dir.iterdir():
             if not path.name.startswith(("model", "config", "generation_config", "qvl_tiny")):
                 shutil.copy(path, out / path.name)
+    return out
+
+
+def _geometric(n: int) -> torch.Tensor:
+    """n factors spread geometrically over OUTLIER_FACTORS (their geometric mean for one)."""
+    low, high = OUTLIER_FACTORS
+    return torch.tensor([(low * high) ** 0.5] if n == 1 else [low * (high / low) ** (i / (n - 1)) for i in range(n)])
+
+
+def _rescale(weight: torch.Tensor, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None):
+    """weight <- diag(rows) @ weight @ diag(cols), computed in float32 and rounded once to the weight's dtype."""
+    w = weight.data.float()
+    if rows is not None:
+        w = w * (rows if w.dim() == 1 else rows[:, None])
+    if cols is not None:
+        w = w * cols
+    weight.data = w.to(weight.dtype)
+
+
+def plant_outliers(model, seed: int = 0, residual: bool = True) -> dict:
+    """Give the text decoder the activation outliers of real checkpoints, in place; return where they were planted.
+
+    Real Qwen-like checkpoints carry, in a few hidden channels, activations 20-100x the rest, in the residual stream
+    itself and so in its normalized form too, which is what the linears read; random weights have none. Three
+    plantings, each a rescaling of weights, with factors spread geometrically over OUTLIER_FACTORS (32-64x):
+
+    - residual stream, read by q/k/v and gate/up (`residual=False` skips it): 4 hidden channels of 2048, the same in
+      every layer. Every writer (o_proj, down_proj) has those rows scaled up by the factor and every reader (q/k/v,
+      gate/up) those columns scaled down by it, so the residual stream and every normalized hidden state carry
+      factor-times activations there, while each reader's output is what it was up to RMSNorm's per-token scale:
+      the outliers add to each token's RMS, by a factor that varies from token to token (their share of the
+      token's content does), so the fp32 function is a different, equally sane one (finite logits of the plain
+      model's spread). Every norm's weight is scaled up by the mean growth (~2.4x), and the final norm's weight
+      scaled down by the factor on the planted channels, so the tied head reads what it did. RMSNorm weights stay
+      flat across channels, so folding them into the linears cannot undo this. Layer 0 reads the token table, which
+      has no outliers and is tied to the head: its input_layernorm weight is scaled up on the planted channels
+      instead, an exact rescaling there.
+    - o_proj inputs: 4 value channels a layer (v_proj rows up, the matching o_proj columns down, for every query
+      head reading that value head) and down_proj inputs: 6 intermediate channels of 6144 a layer (up_proj rows up,
+      down_proj columns down). Both are exact: attention is linear in the values and the MLP in up_proj's output.
+
+    Each planted channel carries its factor times what it would carry unplanted. Against the median channel's RMS
+    over a 164-token random prompt on the 2B: 28-83x in q/k/v and gate/up inputs, 16-169x in o_proj and 13-137x in
+    down_proj inputs (their channels' natural levels spread more); the largest unplanted channel is at most 3x
+    (q/k/v, gate/up), 6x (o_proj) and 11x (down_proj, where random weights have outliers of their own). Factors are
+    float32 and each weight is rounded once. Small models get proportionally fewer channels (at least one each).
+    """
+    text = model.model.language_model
+    config = text.config
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    groups = heads // kv_heads
+    generator = torch.Generator().manual_seed(seed)
+
+    def pick(n: int, count: int) -> list[int]:
+        return sorted(torch.randperm(n, generator=generator)[:count].tolist())
+
+    channels = pick(hidden, max(1, hidden * 4 // 2048))
+    factors = _geometric(len(channels))
+    rho = float((1 + (factors ** 2 - 1).sum() / hidden).sqrt())  # the mean growth of each token's RMS
+    planted = {"residual": channels if residual else [], "residual_factors": factors.tolist() if residual else [],
+               "rms_scale": rho if residual else 1.0}
+    values = [pick(kv_heads * head_dim, max(1, min(4, kv_heads * head_dim // 256))) for _ in text.layers]
+    inner = [pick(config.intermediate_size, max(1, min(6, config.intermediate_size // 1024))) for _ in text.layers]
+    if residual:
+        down = torch.ones(hidden)
+        down[channels] = 1 / factors
+        up = 1 / down
+        grown = torch.full((hidden,), rho)
+        for i, layer in enumerate(text.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for writer in (attn.o_proj, mlp.down_proj):
+                _rescale(writer.weight, rows=up)
+            for reader in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                _rescale(reader.weight, cols=down)
+            _rescale(layer.input_layernorm.weight, rows=up if i == 0 else grown)
+            _rescale(layer.post_attention_layernorm.weight, rows=grown)
+        _rescale(text.norm.weight, rows=grown * down)
+    for i, layer in enumerate(text.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        v_rows, o_cols = torch.ones(kv_heads * head_dim), torch.ones(heads * head_dim)
+        for channel, factor in zip(values[i], _geometric(len(values[i]))):
+            head, dim = divmod(channel, head_dim)
+            v_rows[channel] = factor
+            o_cols[[q * head_dim + dim for q in range(head * groups, (head + 1) * groups)]] = 1 / factor
+        _rescale(attn.v_proj.weight, rows=v_rows)
+        _rescale(attn.o_proj.weight, cols=o_cols)
+        up_rows = torch.ones(config.intermediate_size)
+        up_rows[inner[i]] = _geometric(len(inner[i]))
+        _rescale(mlp.up_proj.weight, rows=up_rows)
+        _rescale(mlp.down_proj.weight, cols=1 / up_rows)
+    planted.update(values=values, value_factors=_geometric(len(values[0])).tolist(), mlp=inner,
+                   mlp_factors=_geometric(len(inner[0])).tolist())
+    return planted
+
+
+def outlier_checkpoint(out: Path = OUTLIER_DIR) -> Path:
+    """random_checkpoint() with plant_outliers() applied (its weights planted in float32), saved once beside it."""
+    if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
+        return out
+    plain = random_checkpoint()
+    model = Qwen3VLForConditionalGeneration.from_pretrained(plain, dtype=torch.float32).eval()
+    plant_outliers(model)
+    model.to(torch.bfloat16)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    for path in plain.iterdir():
+        if not path.name.startswith(("model", "config", "generation_config")):
+            shutil.copy(path, partial / path.name)
+    partial.rename(out)
     return out
 
 
@@ -272,6 +388,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m qvl.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder or hub id (real weights)")
     parser.add_argument("--random-weights", action="store_true", help="the 2B architecture with random weights")
+    parser.add_argument("--outliers", action="store_true", help="with --random-weights: random weights with real "
+                        "checkpoints' activation outliers planted (a few channels 32-64x the rest in every text "
+                        f"linear's input; see plant_outliers), built once in {OUTLIER_DIR}")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma-separated subset of {', '.join(ROWS)}")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per row, after one warm-up")
     parser.add_argument("--json", help="write the results here")
@@ -284,15 +403,23 @@ def main(argv=None):
         return child(args)
     if not args.model and not args.random_weights:
         parser.error("give --model or --random-weights")
-    model = args.model or str(random_checkpoint())
+    if args.outliers and not args.random_weights:
+        parser.error("--outliers plants outliers in the random weights: give --random-weights, not --model")
     names = args.rows.split(",")
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
     if unknown := [n for n in args.scenarios.split(",") if n and n not in SCENARIOS]:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
+    if args.model:
+        model, weights, described = args.model, "given", args.model
+    elif args.outliers:
+        model, weights = str(outlier_checkpoint()), "outliers"
+        described = "random-weights Qwen3-VL-2B with planted activation outliers"
+    else:
+        model, weights, described = str(random_checkpoint()), "plain", "random-weights Qwen3-VL-2B"
     machine = {"cpu": cpu.describe(), "torch": torch.__version__, "bandwidth_gb_s": bandwidth_gb_s(),
-               "model": "random-weights Qwen3-VL-2B" if args.random_weights else model, "runs": args.runs}
+               "model": described, "weights": weights, "runs": args.runs}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:

@@ -3,6 +3,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from qvl import bench, settings
@@ -55,3 +56,99 @@ def test_memory_scenarios_reuse_and_time_the_same_request_cold(engine):
         assert r["ttft_s"] > 0 and r["cold_ttft_s"] > 0 and r["reused_tokens"] > 0
     prompt = engine._inputs([bench.Turn("user", bench.QUESTION, (bench.photo(),))], params)[0]["input_ids"].shape[1]
     assert results[-1]["reused_tokens"] == prompt - 1  # Regenerate: all but the last prompt token
+
+
+def _small_model(seed=0):
+    """The tiny checkpoint's classes at a width where residual outliers behave as at 2B (layers' writes dwarf the
+    token table's entries): 512 hidden, 2 layers, fp32."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=300, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
+                         rope_parameters=dict(rope_type="default", rope_theta=5000000, mrope_section=[8, 12, 12],
+                                              mrope_interleaved=True)),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=512,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0], patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return Qwen3VLForConditionalGeneration(config).eval()
+
+
+def _inputs_and_logits(model, ids):
+    """Every text linear's input (tokens x channels) and the logits, for ids."""
+    seen, hooks = {}, []
+    for name, module in model.model.language_model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            hooks.append(module.register_forward_hook(
+                lambda m, args, out, name=name: seen.__setitem__(name, args[0].detach().reshape(-1, args[0].shape[-1]))))
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0]
+    for h in hooks:
+        h.remove()
+    return seen, logits
+
+
+def test_planted_outliers_reach_their_ratio_in_every_linear_input_and_leave_logits_sane():
+    plain, model = _small_model(), _small_model()
+    planted = bench.plant_outliers(model)
+    ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(5))  # not the planting's tokens
+    inputs, logits = _inputs_and_logits(model, ids)
+    low, high = bench.OUTLIER_FACTORS
+    for i in range(2):
+        # A value channel (head, dim) reaches o_proj through both query heads that read value head `head`.
+        columns = [(c // 64 * 2 + g) * 64 + c % 64 for c in planted["values"][i] for g in range(2)]
+        spots = {"self_attn.q_proj": planted["residual"], "self_attn.v_proj": planted["residual"],
+                 "mlp.up_proj": planted["residual"], "mlp.down_proj": planted["mlp"][i], "self_attn.o_proj": columns}
+        for name, channels in spots.items():
+            x = inputs[f"layers.{i}.{name}"]
+            rms = x.pow(2).mean(0).sqrt()
+            ratio = rms / rms.median()
+            rest = torch.ones_like(ratio, dtype=torch.bool)
+            rest[channels] = False
+            assert (ratio[channels] > 0.6 * low).all() and (ratio[channels] < 1.6 * high).all(), (i, name, ratio[channels])
+            assert ratio[rest].max() < 0.5 * low, (i, name)  # the outliers are the planted ones
+            assert x.abs().amax() > 4 * x[:, rest].abs().amax()  # a per-tensor scale is that much coarser for the rest
+    _, reference = _inputs_and_logits(plain, ids)
+    assert logits.isfinite().all()
+    assert 0.5 < logits.std() / reference.std() < 2  # the planted model's logits spread as the plain one's do
+    assert logits.argmax(-1).unique().numel() > 48  # and still depend on the position's tokens
+
+
+def test_folding_norm_weights_does_not_undo_the_planted_outliers():
+    model = _small_model()
+    planted = bench.plant_outliers(model)
+    layer = model.model.language_model.layers[1]
+    gamma = layer.input_layernorm.weight.detach()
+    assert gamma.max() / gamma.min() < 1.01  # flat: the outliers live in the hidden state, not in the norm weight
+    inputs, _ = _inputs_and_logits(model, torch.arange(64)[None])
+    normalized = inputs["layers.1.self_attn.q_proj"] / gamma  # what the linear would read with gamma folded into it
+    rms = normalized.pow(2).mean(0).sqrt()
+    assert (rms[planted["residual"]] / rms.median() > 0.6 * bench.OUTLIER_FACTORS[0]).all()
+
+
+def test_exact_plantings_leave_the_fp32_function_unchanged():
+    plain, model = _small_model(), _small_model()
+    planted = bench.plant_outliers(model, residual=False)
+    assert planted["residual"] == [] and min(planted["mlp_factors"]) >= bench.OUTLIER_FACTORS[0]
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(5))
+    _, before = _inputs_and_logits(plain, ids)
+    inputs, after = _inputs_and_logits(model, ids)
+    assert bench.fidelity(after, before)["sqnr_db"] > 80
+    rms = inputs["layers.0.mlp.down_proj"].pow(2).mean(0).sqrt()
+    assert (rms[planted["mlp"][0]] / rms.median() > 0.6 * bench.OUTLIER_FACTORS[0]).all()
+
+
+def test_outliers_flag_is_listed_and_accepted(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    assert "--outliers" in capsys.readouterr().out
+    # Rows are checked before any checkpoint is built: an accepted flag reaches that check, a refused one would not.
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["--random-weights", "--outliers", "--rows", "nope"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "unknown rows" in err and "unrecognized" not in err
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "somewhere", "--outliers"])
+    assert "--outliers plants outliers in the random weights" in capsys.readouterr().err
