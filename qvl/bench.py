@@ -44,6 +44,7 @@ CONFIG = Path(__file__).with_name("qwen3-vl-2b-instruct.config.json")
 RANDOM_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "random-2b-v1"
 OUTLIER_DIR = RANDOM_DIR.with_name("random-2b-outliers-v1")
 OUTLIER_FACTORS = (32.0, 64.0)  # planted channels carry this many times the rest's activations, spread geometrically
+NORM_SHARE = 0.5  # of each residual outlier factor (as an exponent), the part that lives in the norm weight
 QUESTION = "What is in this photo? Describe the main objects, their colours and where they are."
 NEW_TOKENS = 64
 FOLLOW_UP = "What is on top?"  # 15 tokens with the random-weight checkpoint's byte tokenizer
@@ -117,33 +118,37 @@ def _rescale(weight: torch.Tensor, rows: torch.Tensor | None = None, cols: torch
     weight.data = w.to(weight.dtype)
 
 
-def plant_outliers(model, seed: int = 0, residual: bool = True) -> dict:
+def plant_outliers(model, seed: int = 0, residual: bool = True, norm_share: float = NORM_SHARE) -> dict:
     """Give the text decoder the activation outliers of real checkpoints, in place; return where they were planted.
 
-    Real Qwen-like checkpoints carry, in a few hidden channels, activations 20-100x the rest, in the residual stream
-    itself and so in its normalized form too, which is what the linears read; random weights have none. Three
-    plantings, each a rescaling of weights, with factors spread geometrically over OUTLIER_FACTORS (32-64x):
+    Real checkpoints carry, in a few hidden channels, activations 20-100x the rest in the inputs of the linears;
+    random weights have none. Three plantings, each a rescaling of weights, with factors spread geometrically over
+    OUTLIER_FACTORS (32-64x):
 
-    - residual stream, read by q/k/v and gate/up (`residual=False` skips it): 4 hidden channels of 2048, the same in
-      every layer. Every writer (o_proj, down_proj) has those rows scaled up by the factor and every reader (q/k/v,
-      gate/up) those columns scaled down by it, so the residual stream and every normalized hidden state carry
-      factor-times activations there, while each reader's output is what it was up to RMSNorm's per-token scale:
-      the outliers add to each token's RMS, by a factor that varies from token to token (their share of the
-      token's content does), so the fp32 function is a different, equally sane one (finite logits of the plain
-      model's spread). Every norm's weight is scaled up by the mean growth (~2.4x), and the final norm's weight
-      scaled down by the factor on the planted channels, so the tied head reads what it did. RMSNorm weights stay
-      flat across channels, so folding them into the linears cannot undo this. Layer 0 reads the token table, which
-      has no outliers and is tied to the head: its input_layernorm weight is scaled up on the planted channels
-      instead, an exact rescaling there.
+    - q/k/v and gate/up inputs (`residual=False` skips this one): 4 hidden channels of 2048, the same in every
+      layer. Part of each factor lives in the residual stream itself: every writer (o_proj, down_proj) has those
+      rows scaled up by factor ** (1 - norm_share), so the hidden state and its normalized form carry it; the rest
+      in the RMSNorm weights, scaled up by factor ** norm_share there (as real norm weights amplify outlier
+      channels). Every reader (q/k/v, gate/up) has those columns scaled down by the whole factor, so its output is
+      what it was, up to RMSNorm's per-token scale, which the outliers in the stream grow by ~4%: every norm
+      weight is scaled up by that mean growth, and the final norm's weight down by the stream's part on those
+      channels, so the tied head reads what it did. Folding the norm weights into the linears leaves the stream's
+      part, 5.7-8x. With norm_share 0 the outliers would hold ~80% of each token's RMS, whose per-token scale would
+      then swing with their few values: noise of 1% of each output channel's RMS on every linear left the 2B's
+      logits at 11.2 dB of SQNR, against 20.6 dB on the plain weights and 20.6 dB with the split. Layer 0 reads the
+      token table, which has no outliers and is tied to the head: its input_layernorm weight carries the whole
+      factor.
     - o_proj inputs: 4 value channels a layer (v_proj rows up, the matching o_proj columns down, for every query
       head reading that value head) and down_proj inputs: 6 intermediate channels of 6144 a layer (up_proj rows up,
       down_proj columns down). Both are exact: attention is linear in the values and the MLP in up_proj's output.
 
-    Each planted channel carries its factor times what it would carry unplanted. Against the median channel's RMS
-    over a 164-token random prompt on the 2B: 28-83x in q/k/v and gate/up inputs, 16-169x in o_proj and 13-137x in
-    down_proj inputs (their channels' natural levels spread more); the largest unplanted channel is at most 3x
-    (q/k/v, gate/up), 6x (o_proj) and 11x (down_proj, where random weights have outliers of their own). Factors are
-    float32 and each weight is rounded once. Small models get proportionally fewer channels (at least one each).
+    The per-token scale makes the fp32 function a slightly different, equally sane one: on the 2B, over a 164-token
+    random prompt, its logits are 16.7 dB of SQNR from the plain model's (top-1 agreement 0.76) with the same
+    spread. There, against the median channel's RMS, planted channels carry 28-89x in q/k/v and gate/up inputs,
+    10-236x in o_proj and 14-194x in down_proj inputs (their channels' natural levels spread more), and the largest
+    unplanted channel 4x (q/k/v, gate/up), 7x (o_proj) and 12x (down_proj, where random weights have outliers of
+    their own). Factors are float32 and each weight is rounded once. Small models get proportionally fewer
+    channels (at least one of each kind).
     """
     text = model.model.language_model
     config = text.config
@@ -157,25 +162,28 @@ def plant_outliers(model, seed: int = 0, residual: bool = True) -> dict:
 
     channels = pick(hidden, max(1, hidden * 4 // 2048))
     factors = _geometric(len(channels))
-    rho = float((1 + (factors ** 2 - 1).sum() / hidden).sqrt())  # the mean growth of each token's RMS
+    in_norm = factors ** norm_share  # in every norm weight
+    in_stream = factors / in_norm  # in the residual stream
+    rho = float((1 + (in_stream ** 2 - 1).sum() / hidden).sqrt())  # the mean growth of each token's RMS
     planted = {"residual": channels if residual else [], "residual_factors": factors.tolist() if residual else [],
-               "rms_scale": rho if residual else 1.0}
+               "in_stream": in_stream.tolist() if residual else [], "rms_scale": rho if residual else 1.0}
     values = [pick(kv_heads * head_dim, max(1, min(4, kv_heads * head_dim // 256))) for _ in text.layers]
     inner = [pick(config.intermediate_size, max(1, min(6, config.intermediate_size // 1024))) for _ in text.layers]
     if residual:
-        down = torch.ones(hidden)
-        down[channels] = 1 / factors
-        up = 1 / down
-        grown = torch.full((hidden,), rho)
+        def on_channels(values, rest=1.0):
+            out = torch.full((hidden,), rest)
+            out[channels] *= values
+            return out
         for i, layer in enumerate(text.layers):
             attn, mlp = layer.self_attn, layer.mlp
             for writer in (attn.o_proj, mlp.down_proj):
-                _rescale(writer.weight, rows=up)
+                _rescale(writer.weight, rows=on_channels(in_stream))
             for reader in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                _rescale(reader.weight, cols=down)
-            _rescale(layer.input_layernorm.weight, rows=up if i == 0 else grown)
-            _rescale(layer.post_attention_layernorm.weight, rows=grown)
-        _rescale(text.norm.weight, rows=grown * down)
+                _rescale(reader.weight, cols=on_channels(1 / factors))
+            # Layer 0 reads the token table, which has no outliers: its whole factor lives in the norm weight.
+            _rescale(layer.input_layernorm.weight, rows=on_channels(factors) if i == 0 else on_channels(in_norm, rho))
+            _rescale(layer.post_attention_layernorm.weight, rows=on_channels(in_norm, rho))
+        _rescale(text.norm.weight, rows=on_channels(1 / in_stream, rho))
     for i, layer in enumerate(text.layers):
         attn, mlp = layer.self_attn, layer.mlp
         v_rows, o_cols = torch.ones(kv_heads * head_dim), torch.ones(heads * head_dim)
