@@ -3,6 +3,7 @@
     python -m qvl.bench --random-weights [--rows fp32,int4,auto] [--runs 3] [--json FILE]
     python -m qvl.bench --random-weights --rows auto --scenarios follow-up,seen-image,regenerate
     python -m qvl.bench --random-weights --rows auto,auto-warm --runs 1    # first start, then a second one
+    python -m qvl.bench --random-weights --outliers --rows fp32,bf16,auto --runs 1   # weights with activation outliers
     python -m qvl.bench --model /path/to/Qwen3-VL-2B-Instruct
     python -m qvl.bench --kernels    # one linear's decode row in each kernel: what auto's choice rests on
 
@@ -10,8 +11,10 @@ Standard request: one 640x480 photo-like image (300 image tokens), a one-sentenc
 (greedy, min_new_tokens = max_new_tokens = 64), one warm-up, then --runs timed runs (medians reported). Fidelity is
 measured teacher-forced over the fp32 row's answer, so the `fp32` row must run first for the other rows to get it.
 Random weights give near-uniform logits: their top-1 agreement says little, and real-weight quality is only
-measured when real weights are given with --model. Each timed run starts with nothing kept (Engine.forget), as a
-first visit does.
+measured when real weights are given with --model. --outliers plants the activation outliers of real checkpoints
+(a few hidden channels 32-64x the rest in every text linear's input, which a per-tensor activation scale punishes)
+into the random weights, so that fidelity shows what quantization costs where such outliers exist (plant_outliers
+says how). Each timed run starts with nothing kept (Engine.forget), as a first visit does.
 
 Scenarios measure conversation memory: each request's time to first token after its set-up (the standard request
 and its answer), then the same request cold, with everything kept forgotten, in the same process.
@@ -40,6 +43,9 @@ from qvl.engine import Engine, Turn
 
 CONFIG = Path(__file__).with_name("qwen3-vl-2b-instruct.config.json")
 RANDOM_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "random-2b-v1"
+OUTLIER_DIR = RANDOM_DIR.with_name("random-2b-outliers-v1")
+OUTLIER_FACTORS = (32.0, 64.0)  # planted channels carry this many times the rest's activations, spread geometrically
+NORM_SHARE = 0.5  # of each residual outlier factor (as an exponent), the part that lives in the norm weight
 QUESTION = "What is in this photo? Describe the main objects, their colours and where they are."
 NEW_TOKENS = 64
 FOLLOW_UP = "What is on top?"  # 15 tokens with the random-weight checkpoint's byte tokenizer
@@ -66,13 +72,17 @@ ROWS = {
 DEFAULT_ROWS = "fp32,bf16,bf16+compile,int8,int4,auto,auto+jemalloc"
 
 
+def _complete(folder: Path) -> bool:
+    return (folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists()
+
+
 def random_checkpoint(out: Path = RANDOM_DIR) -> Path:
     """The exact Qwen3-VL-2B architecture with random bf16 weights, saved once with the tiny byte tokenizer.
 
     The tiny tokenizer's special tokens sit at ids 256.. rather than 151643..; the config's special ids are moved
     there, which changes no tensor shape and so no compute.
     """
-    if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
+    if _complete(out):
         return out
     with tempfile.TemporaryDirectory() as tmp:
         tiny_dir = tiny.build(tmp)
@@ -91,6 +101,135 @@ def random_checkpoint(out: Path = RANDOM_DIR) -> Path:
             if not path.name.startswith(("model", "config", "generation_config", "qvl_tiny")):
                 shutil.copy(path, out / path.name)
     return out
+
+
+def _geometric(n: int) -> torch.Tensor:
+    """n factors spread geometrically over OUTLIER_FACTORS (their geometric mean for one)."""
+    low, high = OUTLIER_FACTORS
+    return torch.tensor([(low * high) ** 0.5] if n == 1 else [low * (high / low) ** (i / (n - 1)) for i in range(n)])
+
+
+def _rescale(weight: torch.Tensor, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None):
+    """weight <- diag(rows) @ weight @ diag(cols), computed in float32 and rounded once to the weight's dtype."""
+    w = weight.data.float()
+    if rows is not None:
+        w = w * (rows if w.dim() == 1 else rows[:, None])
+    if cols is not None:
+        w = w * cols
+    weight.data = w.to(weight.dtype)
+
+
+def plant_outliers(model, seed: int = 0, residual: bool = True, norm_share: float = NORM_SHARE) -> dict:
+    """Give the text decoder the activation outliers of real checkpoints, in place; return where they were planted.
+
+    Real checkpoints carry, in a few hidden channels, activations 20-100x the rest in the inputs of the linears;
+    random weights have none. Three plantings, each a rescaling of weights, with factors spread geometrically over
+    OUTLIER_FACTORS (32-64x):
+
+    - q/k/v and gate/up inputs (`residual=False` skips this one): 4 hidden channels of 2048, the same in every
+      layer. Part of each factor lives in the residual stream itself: every writer (o_proj, down_proj) has those
+      rows scaled up by factor ** (1 - norm_share), so the hidden state and its normalized form carry it; the rest
+      in the RMSNorm weights, scaled up by factor ** norm_share there (as real norm weights amplify outlier
+      channels). Every reader (q/k/v, gate/up) has those columns scaled down by the whole factor, so its output is
+      what it was, up to RMSNorm's per-token scale, which the outliers in the stream grow by ~4%: every norm
+      weight is scaled up by that mean growth, and the final norm's weight down by the stream's part on those
+      channels, so the tied head reads what it did. Folding the norm weights into the linears leaves the stream's
+      part, 5.7-8x. With norm_share 0 the outliers would hold ~80% of each token's RMS, whose per-token scale would
+      then swing with their few values: noise of 1% of each output channel's RMS on every linear left the 2B's
+      logits at 11.2 dB of SQNR, against 20.6 dB on the plain weights and 20.6 dB with the split. Layer 0 reads the
+      token table, which has no outliers and is tied to the head: its input_layernorm weight carries the whole
+      factor.
+    - o_proj inputs: 4 value channels a layer (v_proj rows up, the matching o_proj columns down, for every query
+      head reading that value head) and down_proj inputs: 6 intermediate channels of 6144 a layer (up_proj rows up,
+      down_proj columns down). Both are exact: attention is linear in the values and the MLP in up_proj's output.
+
+    The per-token scale makes the fp32 function a slightly different, equally sane one: on the 2B, over a 164-token
+    random prompt, its logits are 16.7 dB of SQNR from the plain model's (top-1 agreement 0.76) with the same
+    spread. There, against the median channel's RMS, planted channels carry 28-89x in q/k/v and gate/up inputs,
+    10-236x in o_proj and 14-194x in down_proj inputs (their channels' natural levels spread more), and the largest
+    unplanted channel 4x (q/k/v, gate/up), 7x (o_proj) and 12x (down_proj, where random weights have outliers of
+    their own). Factors are float32 and each weight is rounded once. Small models get proportionally fewer
+    channels (at least one of each kind).
+    """
+    text = model.model.language_model
+    config = text.config
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    groups = heads // kv_heads
+    generator = torch.Generator().manual_seed(seed)
+
+    def pick(n: int, count: int) -> list[int]:
+        return sorted(torch.randperm(n, generator=generator)[:count].tolist())
+
+    channels = pick(hidden, max(1, hidden * 4 // 2048))
+    factors = _geometric(len(channels))
+    in_norm = factors ** norm_share  # in every norm weight
+    in_stream = factors / in_norm  # in the residual stream
+    rho = float((1 + (in_stream ** 2 - 1).sum() / hidden).sqrt())  # the mean growth of each token's RMS
+    planted = {"residual": channels if residual else [], "residual_factors": factors.tolist() if residual else [],
+               "in_stream": in_stream.tolist() if residual else [], "rms_scale": rho if residual else 1.0}
+    values = [pick(kv_heads * head_dim, max(1, min(4, kv_heads * head_dim // 256))) for _ in text.layers]
+    inner = [pick(config.intermediate_size, max(1, min(6, config.intermediate_size // 1024))) for _ in text.layers]
+    if residual:
+        def on_channels(values, rest=1.0):
+            out = torch.full((hidden,), rest)
+            out[channels] *= values
+            return out
+        for i, layer in enumerate(text.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for writer in (attn.o_proj, mlp.down_proj):
+                _rescale(writer.weight, rows=on_channels(in_stream))
+            for reader in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                _rescale(reader.weight, cols=on_channels(1 / factors))
+            # Layer 0 reads the token table, which has no outliers: its whole factor lives in the norm weight.
+            _rescale(layer.input_layernorm.weight, rows=on_channels(factors) if i == 0 else on_channels(in_norm, rho))
+            _rescale(layer.post_attention_layernorm.weight, rows=on_channels(in_norm, rho))
+        _rescale(text.norm.weight, rows=on_channels(1 / in_stream, rho))
+    for i, layer in enumerate(text.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        v_rows, o_cols = torch.ones(kv_heads * head_dim), torch.ones(heads * head_dim)
+        for channel, factor in zip(values[i], _geometric(len(values[i]))):
+            head, dim = divmod(channel, head_dim)
+            v_rows[channel] = factor
+            o_cols[[q * head_dim + dim for q in range(head * groups, (head + 1) * groups)]] = 1 / factor
+        _rescale(attn.v_proj.weight, rows=v_rows)
+        _rescale(attn.o_proj.weight, cols=o_cols)
+        up_rows = torch.ones(config.intermediate_size)
+        up_rows[inner[i]] = _geometric(len(inner[i]))
+        _rescale(mlp.up_proj.weight, rows=up_rows)
+        _rescale(mlp.down_proj.weight, cols=1 / up_rows)
+    planted.update(values=values, value_factors=_geometric(len(values[0])).tolist(), mlp=inner,
+                   mlp_factors=_geometric(len(inner[0])).tolist())
+    return planted
+
+
+def outlier_checkpoint(out: Path = OUTLIER_DIR) -> Path:
+    """random_checkpoint() with plant_outliers() applied (its weights planted in float32), saved once beside it."""
+    if _complete(out):
+        return out
+    plain = random_checkpoint()
+    model = Qwen3VLForConditionalGeneration.from_pretrained(plain, dtype=torch.float32).eval()
+    plant_outliers(model)
+    model.to(torch.bfloat16)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    for path in plain.iterdir():
+        if not path.name.startswith(("model", "config", "generation_config")):
+            shutil.copy(path, partial / path.name)
+    partial.rename(out)
+    return out
+
+
+def built_apart(build, folder: Path) -> Path:
+    """build() (random_checkpoint or outlier_checkpoint, which write folder), in a process of its own if not built.
+
+    Each row's process would otherwise inherit the peak memory of building (Linux carries ru_maxrss across fork and
+    exec), and report that as its own peak RSS: 12.8 GB for every row after building the outlier checkpoint in fp32.
+    """
+    if not _complete(folder):
+        subprocess.run([sys.executable, "-c", f"from qvl import bench; bench.{build.__name__}()"], check=True)
+    return build()
 
 
 def photo() -> Image.Image:
@@ -341,6 +480,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m qvl.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder or hub id (real weights)")
     parser.add_argument("--random-weights", action="store_true", help="the 2B architecture with random weights")
+    parser.add_argument("--outliers", action="store_true", help="with --random-weights: random weights with real "
+                        "checkpoints' activation outliers planted (a few channels 32-64x the rest in every text "
+                        f"linear's input; see plant_outliers), built once in {OUTLIER_DIR}")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma-separated subset of {', '.join(ROWS)}")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per row, after one warm-up")
     parser.add_argument("--json", help="write the results here")
@@ -361,15 +503,24 @@ def main(argv=None):
         return
     if not args.model and not args.random_weights:
         parser.error("give --model or --random-weights")
-    model = args.model or str(random_checkpoint())
+    if args.outliers and not args.random_weights:
+        parser.error("--outliers plants outliers in the random weights: give --random-weights, not --model")
     names = args.rows.split(",")
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
     if unknown := [n for n in args.scenarios.split(",") if n and n not in SCENARIOS]:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
+    if args.model:
+        model, weights, described = args.model, "given", args.model
+    elif args.outliers:
+        model, weights = str(built_apart(outlier_checkpoint, OUTLIER_DIR)), "outliers"
+        described = "random-weights Qwen3-VL-2B with planted activation outliers"
+    else:
+        model, weights = str(built_apart(random_checkpoint, RANDOM_DIR)), "plain"
+        described = "random-weights Qwen3-VL-2B"
     machine = {"cpu": cpu.describe(), "torch": torch.__version__, "bandwidth_gb_s": bandwidth_gb_s(),
-               "model": "random-weights Qwen3-VL-2B" if args.random_weights else model, "runs": args.runs}
+               "model": described, "weights": weights, "runs": args.runs}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:

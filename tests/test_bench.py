@@ -3,6 +3,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from qvl import bench, settings
@@ -88,3 +89,131 @@ def test_the_kernels_flag_prints_its_table():
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| fbgemm int8 |" in result.stdout and "| fp32 |" in result.stdout and "torch 2" in result.stdout
+
+
+def _small_model(seed=0):
+    """The tiny checkpoint's classes at a width where residual outliers behave as at 2B (layers' writes dwarf the
+    token table's entries): 512 hidden, 2 layers, fp32."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=300, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
+                         rope_parameters=dict(rope_type="default", rope_theta=5000000, mrope_section=[8, 12, 12],
+                                              mrope_interleaved=True)),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=512,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0], patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return Qwen3VLForConditionalGeneration(config).eval()
+
+
+def _inputs_and_logits(model, ids):
+    """Every text linear's input (tokens x channels) and the logits, for ids."""
+    seen, hooks = {}, []
+
+    def keep(name):
+        return lambda module, args, out: seen.__setitem__(name, args[0].detach().reshape(-1, args[0].shape[-1]))
+    for name, module in model.model.language_model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            hooks.append(module.register_forward_hook(keep(name)))
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0]
+    for h in hooks:
+        h.remove()
+    return seen, logits
+
+
+def test_planted_outliers_reach_their_ratio_in_every_linear_input_and_leave_logits_sane():
+    plain, model = _small_model(), _small_model()
+    planted = bench.plant_outliers(model)
+    ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(5))  # not the planting's tokens
+    inputs, logits = _inputs_and_logits(model, ids)
+    low, high = bench.OUTLIER_FACTORS
+    for i in range(2):
+        # A value channel (head, dim) reaches o_proj through both query heads that read value head `head`.
+        columns = [(c // 64 * 2 + g) * 64 + c % 64 for c in planted["values"][i] for g in range(2)]
+        spots = {"self_attn.q_proj": planted["residual"], "self_attn.v_proj": planted["residual"],
+                 "mlp.up_proj": planted["residual"], "mlp.down_proj": planted["mlp"][i], "self_attn.o_proj": columns}
+        for name, channels in spots.items():
+            x = inputs[f"layers.{i}.{name}"]
+            rms = x.pow(2).mean(0).sqrt()
+            ratio = rms / rms.median()
+            rest = torch.ones_like(ratio, dtype=torch.bool)
+            rest[channels] = False
+            assert (ratio[channels] > 0.6 * low).all() and (ratio[channels] < 1.6 * high).all(), (i, name)
+            assert ratio[rest].max() < 0.5 * low, (i, name)  # the outliers are the planted ones
+            assert x.abs().amax() > 4 * x[:, rest].abs().amax()  # a per-tensor scale is that much coarser for the rest
+    _, reference = _inputs_and_logits(plain, ids)
+    assert logits.isfinite().all()
+    assert 0.5 < logits.std() / reference.std() < 2  # the planted model's logits spread as the plain one's do
+    assert bench.fidelity(logits, reference)["sqnr_db"] > 10  # and are close to them: RMSNorm's scale grew ~4%
+    assert logits.argmax(-1).unique().numel() > 48  # and still depend on the position's tokens
+
+
+def test_folding_norm_weights_leaves_the_outliers_that_live_in_the_hidden_state():
+    model = _small_model()
+    planted = bench.plant_outliers(model)
+    inputs, _ = _inputs_and_logits(model, torch.arange(64)[None])
+    for norm, linear in (("input_layernorm", "self_attn.q_proj"), ("post_attention_layernorm", "mlp.up_proj")):
+        gamma = model.model.language_model.layers[1].get_submodule(norm).weight.detach()
+        folded = inputs[f"layers.1.{linear}"] / gamma  # what the linear reads once gamma is folded into it
+        rms = folded.pow(2).mean(0).sqrt()
+        stream = torch.tensor(planted["in_stream"])  # the part of each factor in the residual stream
+        assert (rms[planted["residual"]] / rms.median() > 0.6 * stream).all() and stream.min() > 5
+
+
+def _noise_sqnr(model, ids):
+    """Logits SQNR after noise of 1% of each output channel's RMS on every text linear: how much errors grow."""
+    generator = torch.Generator().manual_seed(3)
+
+    def noise(module, args, out):
+        return out + 0.01 * out.reshape(-1, out.shape[-1]).pow(2).mean(0).sqrt() * torch.randn(out.shape,
+                                                                                               generator=generator)
+    with torch.inference_mode():
+        clean = model(input_ids=ids).logits[0]
+        hooks = [m.register_forward_hook(noise) for m in model.model.language_model.modules()
+                 if isinstance(m, torch.nn.Linear)]
+        noisy = model(input_ids=ids).logits[0]
+    for h in hooks:
+        h.remove()
+    return bench.fidelity(noisy, clean)["sqnr_db"]
+
+
+def test_planted_model_amplifies_errors_no_more_than_the_plain_one():
+    # Were the outliers all in the residual stream, they would dominate each token's RMS and every error in them
+    # would rescale the whole token: quantization would then look worse for a reason other than outliers.
+    ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(5))
+    plain, model, all_in_stream = _small_model(), _small_model(), _small_model()
+    bench.plant_outliers(model)
+    bench.plant_outliers(all_in_stream, norm_share=0.0)
+    reference = _noise_sqnr(plain, ids)
+    assert abs(_noise_sqnr(model, ids) - reference) < 3
+    assert _noise_sqnr(all_in_stream, ids) < reference - 5  # what the split avoids
+
+
+def test_exact_plantings_leave_the_fp32_function_unchanged():
+    plain, model = _small_model(), _small_model()
+    planted = bench.plant_outliers(model, residual=False)
+    assert planted["residual"] == [] and min(planted["mlp_factors"]) >= bench.OUTLIER_FACTORS[0]
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(5))
+    _, before = _inputs_and_logits(plain, ids)
+    inputs, after = _inputs_and_logits(model, ids)
+    assert bench.fidelity(after, before)["sqnr_db"] > 80
+    rms = inputs["layers.0.mlp.down_proj"].pow(2).mean(0).sqrt()
+    assert (rms[planted["mlp"][0]] / rms.median() > 0.6 * bench.OUTLIER_FACTORS[0]).all()
+
+
+def test_outliers_flag_is_listed_and_accepted(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    assert "--outliers" in capsys.readouterr().out
+    # Rows are checked before any checkpoint is built: an accepted flag reaches that check, a refused one would not.
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["--random-weights", "--outliers", "--rows", "nope"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "unknown rows" in err and "unrecognized" not in err
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "somewhere", "--outliers"])
+    assert "--outliers plants outliers in the random weights" in capsys.readouterr().err
