@@ -267,7 +267,7 @@ def decode_bytes(model) -> int:
     for sub in modules:
         if id(sub) in skip or isinstance(sub, (torch.nn.Embedding, quant.Bf16Embedding)):
             continue
-        if isinstance(sub, torch.ao.nn.quantized.dynamic.Linear):
+        if isinstance(sub, quant.Int8Linear):
             total += sub.weight().numel()  # int8, held in fbgemm's packed form rather than as a parameter
         total += sum(t.numel() * t.element_size() for t in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)])
     return total

