@@ -43,7 +43,7 @@ from qvl.engine import Engine, Turn
 
 CONFIG = Path(__file__).with_name("qwen3-vl-2b-instruct.config.json")
 RANDOM_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "random-2b-v1"
-OUTLIER_DIR = RANDOM_DIR.with_name("random-2b-outliers-v1")
+OUTLIER_DIR = RANDOM_DIR.with_name("random-2b-outliers-v1")  # new name whenever plant_outliers() changes
 OUTLIER_FACTORS = (32.0, 64.0)  # planted channels carry this many times the rest's activations, spread geometrically
 NORM_SHARE = 0.5  # of each residual outlier factor (as an exponent), the part that lives in the norm weight
 QUESTION = "What is in this photo? Describe the main objects, their colours and where they are."
@@ -395,6 +395,8 @@ def child(args):
             "--model-cache-dir", args.model_cache_dir]
     engine = Engine(settings.parse(argv, env={k: v for k, v in os.environ.items() if k == "QVL_THREADS"}))
     ready_s = process_age()  # the model is in: a request could be answered, paying the first call's costs
+    engine.settled.wait()  # a start from the model cache repacks its pieces in the background: time the result
+    settled_s = process_age()
     if args.child.endswith("+compile"):  # the language model only: the vision tower runs once per image
         engine.model.model.language_model.compile(dynamic=True)
     params = settings.GenParams(greedy=True, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, max_image_tokens=320)
@@ -417,7 +419,7 @@ def child(args):
         torch.save({"ids": ids, "logits": teacher_forced_logits(engine, inputs, ids)}, reference)
     row = {
         "name": args.child, "precision": engine.precision, "threads": engine.threads,
-        "ready_s": ready_s, "load_s": load_s,
+        "ready_s": ready_s, "settled_s": settled_s, "load_s": load_s,
         "ttft_s": statistics.median(s.ttft_s for s in runs),
         "decode_tok_s": statistics.median(s.decode_tok_s for s in runs),
         "e2e_s": statistics.median(s.total_s for s in runs),
@@ -446,7 +448,7 @@ def run_row(name: str, model: str, runs: int, reference: Path, memory: str) -> d
         return json.loads(Path(out.name).read_text())
 
 
-COLUMNS = ["name", "ready_s", "load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "bound_tok_s",
+COLUMNS = ["name", "ready_s", "settled_s", "load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "bound_tok_s",
            "of_bound", "step_ms", "step_overhead_ms", "sqnr_db", "kl", "top1_agreement"]
 
 

@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlparse
@@ -14,7 +15,7 @@ import torch
 from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-from qvl import conversation, features, generate, heap, images, kv, modelcache, texts, tiny
+from qvl import conversation, features, generate, heap, images, kv, modelcache, quant, texts, tiny
 from qvl.cache import parse_size
 from qvl.conversation import Stats, Turn
 from qvl.images import InputError
@@ -75,8 +76,9 @@ class ImageOnlyProcessor(Qwen3VLProcessor):
 class Engine:
     """Qwen3-VL loaded once; attributes model_id, folder, precision, identity, max_context describe it.
 
-    ready is set once warm_up() has run (the app says it is warming up until then); kept conversations (kv) and
-    the image-feature store (features) are None when switched off.
+    ready is set once warm_up() has run (the app says it is warming up until then); settled once the int8 linears
+    that a start from the model cache packed in pieces are repacked (answers are the same before). Kept
+    conversations (kv) and the image-feature store (features) are None when switched off.
     """
 
     def __init__(self, settings: Settings):
@@ -107,6 +109,8 @@ class Engine:
             if not (TINY_DIR / "model.safetensors").exists():
                 tiny.build(TINY_DIR)
             self._load(str(TINY_DIR))
+        self.settled = threading.Event()
+        threading.Thread(target=self._settle, name="settle", daemon=True).start()
         limit = kv.parse_limit(self.settings.kv_memory)
         self.kv = kv.Store(limit) if limit else None
         size = self.settings.feature_cache_size
@@ -125,6 +129,28 @@ class Engine:
         # What makes this engine's answers what they are; part of every answer-cache key. The context limit is in
         # it because near the limit it shortens the answer.
         self.identity = f"{source}@{weights}|{self.precision}|ctx{self.max_context}"
+
+    def _settle(self):
+        """Repack, in the background, the int8 linears that a start from the model cache packed in pieces (quick to
+        pack, a few calls more per step) into fewer, a run of pieces at a time and not while a request runs; then
+        set settled."""
+        def settle(linear):
+            while True:
+                while self._lock.locked():  # a request has the cores
+                    time.sleep(0.05)
+                if not linear.settle():
+                    return
+                heap.trim()  # the pieces it replaced
+
+        try:
+            linears = [m for m in self.model.modules() if isinstance(m, quant.Int8Linear)]
+            # As many at once as torch has threads: fbgemm packs in one thread with the GIL released.
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="settle") as pool:
+                list(pool.map(settle, linears))
+        except Exception:  # the pieces answer the same, only a little slower
+            log.exception("repacking the int8 linears failed; they stay in pieces")
+        finally:
+            self.settled.set()
 
     def set_threads(self, n: int):
         """Intra-op threads, applied from the next request on."""

@@ -38,7 +38,7 @@ def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path
     assert data["machine"]["bandwidth_gb_s"] > 0
     assert [r["name"] for r in data["rows"]] == ["fp32", "auto", "auto-warm"]
     for row in data["rows"]:
-        assert {"ready_s", "load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "sqnr_db", "kl",
+        assert {"ready_s", "settled_s", "load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "sqnr_db", "kl",
                 "top1_agreement", "step_ms", "step_overhead_ms"} <= set(row)
         assert row["new_tokens"] == bench.NEW_TOKENS and row["image_tokens"] == 300
         assert [s["name"] for s in row["scenarios"]] == ["regenerate"]

@@ -52,6 +52,23 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
             assert torch.equal(second.model(input_ids=rows).logits, first.model(input_ids=rows).logits)
 
 
+def test_a_second_start_serves_from_pieces_then_settles_to_the_same_answers(tiny_dir, tmp_path, monkeypatch):
+    store = ["--model-cache-dir", str(tmp_path)]
+    want = _answer(_start(tiny_dir, "int8", *store))
+    monkeypatch.setattr(quant, "PIECE", 64 * 24)  # the tiny model's linears are small: pieces of a few rows
+    settled = []
+    real = quant.Int8Linear.settle
+    monkeypatch.setattr(quant.Int8Linear, "settle", lambda self, *a: settled.append(real(self, *a)) or settled[-1])
+    second = _start(tiny_dir, "int8", *store)
+    assert second.settled.wait(60) and sum(settled) > 10  # most linears were in pieces, and were repacked
+    assert all(len(m.parts) == 1 for m in second.model.modules() if isinstance(m, quant.Int8Linear))
+    assert _answer(second) == want
+    monkeypatch.setattr(quant.Int8Linear, "settle", lambda self, *a: False)  # pieces stay: they answer the same
+    third = _start(tiny_dir, "int8", *store)
+    assert any(len(m.parts) > 1 for m in third.model.modules() if isinstance(m, quant.Int8Linear))
+    assert _answer(third) == want
+
+
 def _corrupt(file):
     data = bytearray(file.read_bytes())
     data[-100] ^= 0xFF  # one weight byte

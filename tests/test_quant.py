@@ -60,6 +60,38 @@ def test_int8_decodes_one_row_with_fbgemms_own_call():
     assert torch.equal(linear(x), torch.ops.quantized.linear_dynamic(x, packed, True) + linear.bias)
 
 
+def _int8_weight(rows=100, columns=256):
+    torch.manual_seed(0)
+    return quant._dynamic_int8(torch.nn.Linear(columns, rows, bias=False)).weight()
+
+
+def test_int8_pieces_give_the_whole_linears_output_bit_for_bit():
+    weight = _int8_weight()
+    whole, pieces = quant.Int8Linear(weight, torch.randn(100)), quant.Int8Linear(weight, torch.randn(100), rows=16)
+    pieces.bias = whole.bias
+    assert len(pieces.parts) == 7 and torch.equal(pieces.weight().int_repr(), weight.int_repr())
+    assert torch.equal(pieces.weight().q_per_channel_scales(), weight.q_per_channel_scales())
+    for rows in (1, 16):
+        x = torch.randn(rows, 256)
+        assert torch.equal(pieces(x), whole(x))
+
+
+def test_settling_repacks_pieces_a_run_at_a_time_and_changes_no_output():
+    linear = quant.Int8Linear(_int8_weight(), None, rows=16)  # 100 rows: 7 pieces
+    x = torch.randn(5, 256)
+    before = linear(x)
+    assert linear.settle(rows=64) and len(linear.parts) == 4  # the first four pieces are one
+    assert torch.equal(linear(x), before)
+    assert linear.settle(rows=64) and len(linear.parts) == 2  # and the last three
+    assert not linear.settle(rows=64) and torch.equal(linear(x), before)
+    assert torch.equal(linear.weight().int_repr(), _int8_weight().int_repr())
+    whole = quant.Int8Linear(_int8_weight(), None, rows=16)
+    while whole.settle():
+        pass
+    assert len(whole.parts) == 1 and torch.equal(whole(x), before)
+    assert not quant.Int8Linear(_int8_weight(), None).settle()  # loaded whole: nothing to do
+
+
 def _sharp(model):
     """Random weights with large logits, so greedy answers vary token by token (the tiny model's are flat)."""
     torch.manual_seed(1)
