@@ -6,6 +6,7 @@
     python -m qvl.bench --random-weights --outliers --rows fp32,bf16,auto --runs 1   # weights with activation outliers
     python -m qvl.bench --model /path/to/Qwen3-VL-2B-Instruct
     python -m qvl.bench --kernels    # one linear's decode row in each kernel: what auto's choice rests on
+    python -m qvl.bench --random-weights --linears    # fidelity of each way to compute the linears, one process
 
 Standard request: one 640x480 photo-like image (300 image tokens), a one-sentence question, 64 new tokens forced
 (greedy, min_new_tokens = max_new_tokens = 64), one warm-up, then --runs timed runs (medians reported). Fidelity is
@@ -381,6 +382,51 @@ def kernels(out_features: int = 6144, in_features: int = 2048, copies: int = 24,
     return rows
 
 
+# How --linears computes every text linear and the head, each against fp32.
+LINEAR_WAYS = {
+    "int8 (qvl: a scale per token)": lambda linear, int8, x: int8(x),
+    "int8, one scale per call": lambda linear, int8, x: torch.ops.quantized.linear_dynamic(x, int8.parts[0], True),
+    "int8 weights, fp32 activations": lambda linear, int8, x: torch.nn.functional.linear(x, int8.weight().dequantize()),
+    "bf16": lambda linear, int8, x: torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16()).float(),
+}
+
+
+class _Ways(torch.nn.Module):
+    """A text linear of the fp32 model that computes the way `way` names (None: as it is)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear, self.int8, self.way = linear, quant._dynamic_int8(linear), None
+
+    def forward(self, x):
+        return self.linear(x) if self.way is None else LINEAR_WAYS[self.way](self.linear, self.int8, x)
+
+
+def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
+    """Fidelity of each of LINEAR_WAYS: teacher-forced logits of the last `kept` of `tokens` random byte tokens,
+    text only, with every text linear and the head computed that way, against the fp32 model's.
+
+    int8 weights with fp32 activations bounds what any activation remedy (per-token or finer scales, outlier
+    columns, rotations) can reach with these int8 weights; bf16 is what the issue's target is set against.
+    """
+    model, _ = quant.load_model(folder, "fp32")
+    ways = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and not name.startswith("model.visual."):
+            ways.append(_Ways(module))
+            quant.swap(model, name, ways[-1])
+    ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
+
+    def logits(way):
+        for module in ways:
+            module.way = way
+        with torch.inference_mode():
+            return model(input_ids=ids, logits_to_keep=kept).logits[0].float()
+
+    reference = logits(None)
+    return [{"way": way, **fidelity(logits(way), reference)} for way in LINEAR_WAYS]
+
+
 def process_age() -> float:
     """Seconds since this process started, its imports included (Linux: the start time in /proc/self/stat)."""
     ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
@@ -492,6 +538,9 @@ def main(argv=None):
                         "conversation memory, each request against itself cold")
     parser.add_argument("--kernels", action="store_true",
                         help="instead of the rows: one decode row through one 6144x2048 linear in each kernel")
+    parser.add_argument("--linears", action="store_true",
+                        help="instead of the rows: the fidelity of each way to compute the text linears "
+                        f"({'; '.join(LINEAR_WAYS)}), in one process, text only")
     for hidden in ("--child", "--quant", "--reference", "--out", "--model-cache-dir"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -521,6 +570,15 @@ def main(argv=None):
     else:
         model, weights = str(built_apart(random_checkpoint, RANDOM_DIR)), "plain"
         described = "random-weights Qwen3-VL-2B"
+    if args.linears:
+        rows = linears(model)
+        print(f"{cpu.describe()}; torch {torch.__version__}; {described}; text logits teacher-forced against fp32\n")
+        print("| way | sqnr_db | kl | top1_agreement |\n|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['way']} | {row['sqnr_db']:.3g} | {row['kl']:.3g} | {row['top1_agreement']:.3g} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"model": described, "rows": rows}, indent=1))
+        return
     machine = {"cpu": cpu.describe(), "torch": torch.__version__, "bandwidth_gb_s": bandwidth_gb_s(),
                "model": described, "weights": weights, "runs": args.runs}
     rows = []

@@ -6,7 +6,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlparse
@@ -134,23 +133,27 @@ class Engine:
         """Repack, in the background, the int8 linears that a start from the model cache packed in pieces (quick to
         pack, a few calls more per step) into fewer, a run of pieces at a time and not while a request runs; then
         set settled."""
-        def settle(linear):
-            while True:
-                while self._lock.locked():  # a request has the cores
-                    time.sleep(0.05)
-                if not linear.settle():
-                    return
-                heap.trim()  # the pieces it replaced
+        linears = iter([m for m in self.model.modules() if isinstance(m, quant.Int8Linear)])
 
-        try:
-            linears = [m for m in self.model.modules() if isinstance(m, quant.Int8Linear)]
-            # As many at once as torch has threads: fbgemm packs in one thread with the GIL released.
-            with ThreadPoolExecutor(self.threads, thread_name_prefix="settle") as pool:
-                list(pool.map(settle, linears))
-        except Exception:  # the pieces answer the same, only a little slower
-            log.exception("repacking the int8 linears failed; they stay in pieces")
-        finally:
-            self.settled.set()
+        def settle():  # as many of these as torch has threads: fbgemm packs in one thread with the GIL released
+            try:
+                for linear in linears:  # shared with the others: next() on a list iterator is atomic
+                    while True:
+                        while self._lock.locked():  # a request has the cores
+                            time.sleep(0.05)
+                        if not linear.settle():
+                            break
+                        heap.trim()  # the pieces it replaced
+            except Exception:  # the pieces answer the same, only a little slower
+                log.exception("repacking the int8 linears failed; they stay in pieces")
+
+        # Daemon threads, not a pool, whose workers would hold up the process's exit until every linear is done.
+        workers = [threading.Thread(target=settle, name="settle", daemon=True) for _ in range(self.threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        self.settled.set()
 
     def set_threads(self, n: int):
         """Intra-op threads, applied from the next request on."""

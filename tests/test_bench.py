@@ -91,6 +91,24 @@ def test_the_kernels_flag_prints_its_table():
     assert "| fbgemm int8 |" in result.stdout and "| fp32 |" in result.stdout and "torch 2" in result.stdout
 
 
+def test_linears_measures_each_way_to_compute_the_linears_against_fp32(tiny_dir):
+    rows = {r["way"]: r for r in bench.linears(str(tiny_dir), tokens=24, kept=8)}
+    assert list(rows) == list(bench.LINEAR_WAYS)
+    assert all(0 < r["sqnr_db"] < 200 for r in rows.values())  # every way differs from fp32, none wildly
+    # bf16 above int8 weights read exactly, above qvl's int8, above int8 with one activation scale for the prompt
+    order = ["bf16", "int8 weights, fp32 activations", "int8 (qvl: a scale per token)", "int8, one scale per call"]
+    assert sorted(rows, key=lambda way: -rows[way]["sqnr_db"]) == order
+
+
+def test_the_linears_flag_prints_its_table(tiny_dir):
+    result = subprocess.run([sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--linears"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| int8 weights, fp32 activations |" in result.stdout and "| bf16 |" in result.stdout
+    assert "--linears" in subprocess.run([sys.executable, "-m", "qvl.bench", "--help"], capture_output=True,
+                                         text=True, timeout=120).stdout
+
+
 def _small_model(seed=0):
     """The tiny checkpoint's classes at a width where residual outliers behave as at 2B (layers' writes dwarf the
     token table's entries): 512 hidden, 2 layers, fp32."""
