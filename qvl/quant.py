@@ -98,7 +98,7 @@ class Int4Linear(nn.Module):
 
 
 def _dynamic_int8(linear: nn.Linear) -> nn.Module:
-    """fbgemm dynamic int8 (symmetric per-channel weights, activations quantized per call): the write-up's recipe.
+    """fbgemm dynamic int8 (symmetric per-channel weights, activations quantized as they come, a scale per token).
 
     Quantized straight from bf16 in slices of rows: from_float() would first make an fp32 copy, 1.2 GB for the head.
     """
@@ -340,8 +340,10 @@ def _int4(name: str, linear: nn.Linear) -> nn.Module:
 def describe(mode: str) -> str:
     """The precision/quantization of a concrete mode, as the engine reports it (and puts in its identity)."""
     return {
-        "int8": "int8: fbgemm dynamic int8 linears and head, embedding bf16",
-        "int4": f"int4: vision fbgemm int8, text int4 g{GROUP} decode + int8 prefill, head int4, embedding bf16",
+        # Part of the answer cache's key: it names what changes answers (the activation scale per token, too).
+        "int8": "int8: fbgemm dynamic int8 linears and head, a scale per token, embedding bf16",
+        "int4": f"int4: vision fbgemm int8, text int4 g{GROUP} decode + int8 prefill, a scale per token, head int4, "
+                "embedding bf16",
     }.get(mode, mode)
 
 
