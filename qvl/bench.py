@@ -269,7 +269,7 @@ def decode_bytes(model) -> int:
         if id(sub) in skip or isinstance(sub, (torch.nn.Embedding, quant.Bf16Embedding)):
             continue
         if isinstance(sub, quant.Int8Linear):
-            total += sub.weight().numel()  # int8, held in fbgemm's packed form rather than as a parameter
+            total += sub.out_features * sub.in_features  # int8, held in fbgemm's packed form, not as a parameter
         total += sum(t.numel() * t.element_size() for t in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)])
     return total
 
@@ -385,7 +385,7 @@ def kernels(out_features: int = 6144, in_features: int = 2048, copies: int = 24,
 # How --linears computes every text linear and the head, each against fp32.
 LINEAR_WAYS = {
     "int8 (qvl: a scale per token)": lambda linear, int8, x: int8(x),
-    "int8, one scale per call": lambda linear, int8, x: torch.ops.quantized.linear_dynamic(x, int8.parts[0], True),
+    "int8, one scale per call": lambda linear, int8, x: int8._matmul(x),  # fbgemm's own call, as qvl had it
     "int8 weights, fp32 activations": lambda linear, int8, x: torch.nn.functional.linear(x, int8.weight().dequantize()),
     "bf16": lambda linear, int8, x: torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16()).float(),
 }
@@ -577,7 +577,8 @@ def main(argv=None):
         for row in rows:
             print(f"| {row['way']} | {row['sqnr_db']:.3g} | {row['kl']:.3g} | {row['top1_agreement']:.3g} |")
         if args.json:
-            Path(args.json).write_text(json.dumps({"model": described, "rows": rows}, indent=1))
+            machine = {"cpu": cpu.describe(), "torch": torch.__version__, "model": described}
+            Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
         return
     machine = {"cpu": cpu.describe(), "torch": torch.__version__, "bandwidth_gb_s": bandwidth_gb_s(),
                "model": described, "weights": weights, "runs": args.runs}

@@ -164,13 +164,12 @@ class Int8Linear(nn.Module):
         """Repack the next run of loaded pieces that fits in `rows` rows as one piece; False once none is left."""
         run = max(1, rows // self.rows)
         while self.merged < len(self.parts):
-            group = self.parts[self.merged:self.merged + run]
+            start, self.merged = self.merged, self.merged + 1
+            group = self.parts[start:start + run]
             if len(group) > 1:
                 merged = torch.ops.quantized.linear_prepack(_unpack(group), None)
                 # One assignment: a call in flight keeps the list it read, which computes the same numbers.
-                self.parts = [*self.parts[:self.merged], merged, *self.parts[self.merged + run:]]
-            self.merged += 1
-            if len(group) > 1:
+                self.parts = [*self.parts[:start], merged, *self.parts[start + run:]]
                 return True
         return False
 
