@@ -1,4 +1,5 @@
 """The inference engine: Qwen3-VL loaded once, answering conversations about images as a text stream."""
+import atexit
 import hashlib
 import logging
 import os
@@ -134,25 +135,35 @@ class Engine:
         pack, a few calls more per step) into fewer, a run of pieces at a time and not while a request runs; then
         set settled."""
         linears = iter([m for m in self.model.modules() if isinstance(m, quant.Int8Linear)])
+        exiting = threading.Event()
 
         def settle():  # as many of these as torch has threads: fbgemm packs in one thread with the GIL released
             try:
                 for linear in linears:  # shared with the others: next() on a list iterator is atomic
-                    while True:
-                        while self._lock.locked():  # a request has the cores
+                    while not exiting.is_set():
+                        while self._lock.locked() and not exiting.is_set():  # a request has the cores
                             time.sleep(0.05)
-                        if not linear.settle():
+                        if exiting.is_set() or not linear.settle():
                             break
                         heap.trim()  # the pieces it replaced
             except Exception:  # the pieces answer the same, only a little slower
                 log.exception("repacking the int8 linears failed; they stay in pieces")
 
+        def finish_first():
+            """At exit, let a repack in flight end (a second at most): the process aborts ("terminate called") if it
+            exits while a thread is inside fbgemm."""
+            exiting.set()
+            for worker in workers:
+                worker.join()
+
         # Daemon threads, not a pool, whose workers would hold up the process's exit until every linear is done.
         workers = [threading.Thread(target=settle, name="settle", daemon=True) for _ in range(self.threads)]
+        atexit.register(finish_first)
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.join()
+        atexit.unregister(finish_first)
         self.settled.set()
 
     def set_threads(self, n: int):

@@ -1,5 +1,9 @@
 import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +72,28 @@ def test_a_second_start_serves_from_pieces_then_settles_to_the_same_answers(tiny
     assert any(len(m.parts) > 1 for m in third.model.modules() if isinstance(m, quant.Int8Linear))
     assert _answer(third) == want
 
+
+
+EXIT_WHILE_SETTLING = """
+import sys, torch
+from qvl import quant, settings
+from qvl.engine import Engine
+start = lambda: Engine(settings.parse(["--model", sys.argv[1], "--quant", "int8", "--no-cache",
+                                        "--feature-cache-size", "0", "--model-cache-dir", sys.argv[2]], env={}))
+start()  # converts and keeps the model
+quant.PIECE = 64 * 24
+real, big = quant.Int8Linear.settle, torch.ones(1500, 1500)
+quant.Int8Linear.settle = lambda self, *a: (big @ big, real(self, *a))[1]  # each repack a while inside torch
+print("settling at exit:", not start().settled.is_set())
+"""
+
+
+def test_an_exit_while_settling_waits_for_the_repack_in_flight_instead_of_aborting(tiny_dir, tmp_path):
+    child = subprocess.run([sys.executable, "-c", EXIT_WHILE_SETTLING, str(tiny_dir), str(tmp_path)],
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert "settling at exit: True" in child.stdout, child.stderr[-2000:]
+    assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-2000:]
 
 def _corrupt(file):
     data = bytearray(file.read_bytes())
