@@ -18,7 +18,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.initialization import no_init_weights
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb, eager_attention_forward, rotate_half
+from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb, eager_attention_forward
 
 # A fused linear's name -> the checkpoint linears whose rows it holds, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -69,19 +69,19 @@ class Attention(nn.Module):
         """One new position n: its keys and values written into the buffers, attending to positions 0..n.
 
         q and k are normalised and rotated together (qk_weight: q_norm's weight for each query head, then k_norm's
-        for each key head): each elementwise op costs ~5 us whatever its size, and a layer has dozens.
+        for each key head; sin: the step's sines with the first half negated, so that rotate_half's negate-and-concat
+        is one roll): each elementwise op costs ~5 us whatever its size, and a layer has dozens.
         """
         qkv = self.qkv_proj(x).view(1, -1, 1, self.head_dim)
         qk, v = qkv.split([self.heads[0] + self.heads[1], self.heads[2]], 1)
-        qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + self.q_norm.variance_epsilon) * qk_weight
-        q, k = (qk * cos + rotate_half(qk) * sin).split(self.heads[:2], 1)
+        qk = F.rms_norm(qk, (self.head_dim,), None, self.q_norm.variance_epsilon) * qk_weight
+        q, k = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, -1), sin).split(self.heads[:2], 1)
         keys[:, :, n:n + 1] = k
         values[:, :, n:n + 1] = v
-        # Grouped-query attention as two small matmuls: each key/value head with the query heads that share it
-        # (SDPA's CPU kernel takes longer for one query row).
-        groups = q.view(1, keys.shape[1], -1, self.head_dim)
-        scores = (groups @ keys[:, :, :n + 1].transpose(2, 3)) * self.scaling
-        out = scores.softmax(-1) @ values[:, :, :n + 1]
+        # SDPA reads the fp32 cache at ~2x the speed of two matmuls around a softmax (the 2B at 465 positions,
+        # 0.28 against 0.57 ms a layer), sharing each key/value head among its query heads without copying it.
+        out = F.scaled_dot_product_attention(q, keys[:, :, :n + 1], values[:, :, :n + 1], scale=self.scaling,
+                                             enable_gqa=True)
         return self.o_proj(out.view(1, 1, -1))
 
     def qk_weight(self) -> torch.Tensor:
@@ -166,6 +166,8 @@ class Decoder:
         """The next position's logits (one vocabulary-sized row) after feeding token."""
         x = self.text.embed_tokens(torch.tensor([[token]]))
         cos, sin = self.text.rotary_emb(x, torch.full((3, 1, 1), self.n + self.delta))
+        half = sin.shape[-1] // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # Attention.step rotates with a roll
         for layer, keys, values, qk_weight in zip(self.text.layers, self.keys, self.values, self.qk_weights):
             x = x + layer.self_attn.step(_norm(layer.input_layernorm, x), cos, sin, keys, values, self.n, qk_weight)
             x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
