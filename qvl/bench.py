@@ -357,6 +357,8 @@ def kernels(out_features: int = 6144, in_features: int = 2048, copies: int = 24,
     q = (w / scale[:, None]).round().to(torch.int8)
     candidates = {  # name -> (make one copy of the weights, call it on x, weight bytes)
         "fbgemm int8": (lambda: quant._dynamic_int8(linear), lambda m: m(x), 1),
+        "oneDNN int8 (torch's other int8 engine)": (lambda: _onednn_int8(linear),
+                                                    lambda m: torch.ops.quantized.linear_dynamic(x, m, True), 1),
         "int4 g128, bf16 activations": (lambda: quant.Int4Linear.quantize(linear, prefill=False), lambda m: m(x), 0.5),
         "int8 weight-only, bf16 activations": (lambda: (q.clone(), scale.bfloat16()),
                                                lambda m: torch._weight_int8pack_mm(x.bfloat16(), *m), 1),
@@ -380,6 +382,16 @@ def kernels(out_features: int = 6144, in_features: int = 2048, copies: int = 24,
                          "weights_gb_s": out_features * in_features * bytes_per_weight / seconds / 1e9})
             del ring
     return rows
+
+
+def _onednn_int8(linear: torch.nn.Linear):
+    """The linear's int8 weight packed by torch's oneDNN engine (its dynamic linear is chosen by the packed type)."""
+    weight, engine = quant._dynamic_int8(linear).weight(), torch.backends.quantized.engine
+    torch.backends.quantized.engine = "onednn"
+    try:
+        return torch.ops.quantized.linear_prepack(weight, None)
+    finally:
+        torch.backends.quantized.engine = engine
 
 
 # How --linears computes every text linear and the head, each against fp32.

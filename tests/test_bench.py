@@ -77,11 +77,22 @@ def test_step_overhead_is_the_step_without_its_matmuls_and_leaves_the_model_as_i
 
 
 def test_kernels_time_each_way_to_read_a_linear():
+    engine = torch.backends.quantized.engine
     rows = bench.kernels(out_features=64, in_features=128, copies=2, repeats=1)
-    assert [r["kernel"] for r in rows] == ["fbgemm int8", "int4 g128, bf16 activations",
-                                           "int8 weight-only, bf16 activations", "int8 weight-only, fp32 activations",
-                                           "fp32"]
+    assert [r["kernel"] for r in rows] == ["fbgemm int8", "oneDNN int8 (torch's other int8 engine)",
+                                           "int4 g128, bf16 activations", "int8 weight-only, bf16 activations",
+                                           "int8 weight-only, fp32 activations", "fp32"]
     assert all(r["ms"] > 0 and r["weights_gb_s"] > 0 for r in rows)
+    assert torch.backends.quantized.engine == engine  # oneDNN's packing leaves fbgemm the engine of everything else
+
+
+def test_the_onednn_way_computes_the_same_linear():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 64, bias=False)
+    x = torch.randn(1, 128)
+    onednn = torch.ops.quantized.linear_dynamic(x, bench._onednn_int8(linear), True)  # 7 bits, as fbgemm
+    error = (onednn - linear(x)).norm() / linear(x).norm()
+    assert error < 0.02, error
 
 
 def test_the_kernels_flag_prints_its_table():
