@@ -109,8 +109,10 @@ class Engine:
             if not (TINY_DIR / "model.safetensors").exists():
                 tiny.build(TINY_DIR)
             self._load(str(TINY_DIR))
-        self.settled = threading.Event()
-        threading.Thread(target=self._settle, name="settle", daemon=True).start()
+        self.settled, self._exiting = threading.Event(), threading.Event()
+        self._settler = threading.Thread(target=self._settle, name="settle", daemon=True)
+        atexit.register(self._stop_settling)  # before the thread starts: a process may exit at any time after
+        self._settler.start()
         limit = kv.parse_limit(self.settings.kv_memory)
         self.kv = kv.Store(limit) if limit else None
         size = self.settings.feature_cache_size
@@ -135,36 +137,34 @@ class Engine:
         pack, a few calls more per step) into fewer, a run of pieces at a time and not while a request runs; then
         set settled."""
         linears = iter([m for m in self.model.modules() if isinstance(m, quant.Int8Linear)])
-        exiting = threading.Event()
 
         def settle():  # as many of these as torch has threads: fbgemm packs in one thread with the GIL released
             try:
                 for linear in linears:  # shared with the others: next() on a list iterator is atomic
-                    while not exiting.is_set():
-                        while self._lock.locked() and not exiting.is_set():  # a request has the cores
+                    while not self._exiting.is_set():
+                        while self._lock.locked() and not self._exiting.is_set():  # a request has the cores
                             time.sleep(0.05)
-                        if exiting.is_set() or not linear.settle():
+                        if self._exiting.is_set() or not linear.settle():
                             break
                         heap.trim()  # the pieces it replaced
             except Exception:  # the pieces answer the same, only a little slower
                 log.exception("repacking the int8 linears failed; they stay in pieces")
 
-        def finish_first():
-            """At exit, let a repack in flight end (a second at most): the process aborts ("terminate called") if it
-            exits while a thread is inside fbgemm."""
-            exiting.set()
-            for worker in workers:
-                worker.join()
-
         # Daemon threads, not a pool, whose workers would hold up the process's exit until every linear is done.
         workers = [threading.Thread(target=settle, name="settle", daemon=True) for _ in range(self.threads)]
-        atexit.register(finish_first)
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.join()
-        atexit.unregister(finish_first)
+        atexit.unregister(self._stop_settling)
         self.settled.set()
+
+    def _stop_settling(self):
+        """At exit, let a repack in flight end (a second at most): a thread that comes back from fbgemm once the
+        interpreter is finalizing aborts the process ("terminate called without an active exception")."""
+        self._exiting.set()
+        if self._settler.is_alive():
+            self._settler.join()
 
     def set_threads(self, n: int):
         """Intra-op threads, applied from the next request on."""
