@@ -6,6 +6,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -73,12 +74,18 @@ class ImageOnlyProcessor(Qwen3VLProcessor):
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
 
+# Engines that close() at exit; weak, so that an engine nobody uses any more (tests start many) is freed: its threads
+# in flight keep it alive, and those are what close() waits for.
+_OPEN = weakref.WeakSet()
+atexit.register(lambda: [engine.close() for engine in list(_OPEN)])
+
+
 class Engine:
     """Qwen3-VL loaded once; attributes model_id, folder, precision, identity, max_context describe it.
 
     ready is set once warm_up() has run (the app says it is warming up until then); settled once the int8 linears
     that a start from the model cache packed in pieces are repacked (answers are the same before). Kept
-    conversations (kv) and the image-feature store (features) are None when switched off.
+    conversations (kv) and the image-feature store (features) are None when switched off. close() runs at exit.
     """
 
     def __init__(self, settings: Settings):
@@ -94,6 +101,7 @@ class Engine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.ready = threading.Event()
+        self._warming = threading.Lock()  # held by warm_up, which close() waits for
         try:
             self._load(self.settings.model)
         except Exception as e:  # hub unreachable, folder missing, wrong checkpoint: all end in the same fallback
@@ -111,7 +119,7 @@ class Engine:
             self._load(str(TINY_DIR))
         self.settled, self._exiting = threading.Event(), threading.Event()
         self._settler = threading.Thread(target=self._settle, name="settle", daemon=True)
-        atexit.register(self._stop_settling)  # before the thread starts: a process may exit at any time after
+        _OPEN.add(self)  # before the thread starts: a process may exit at any time after
         self._settler.start()
         limit = kv.parse_limit(self.settings.kv_memory)
         self.kv = kv.Store(limit) if limit else None
@@ -156,15 +164,20 @@ class Engine:
             worker.start()
         for worker in workers:
             worker.join()
-        atexit.unregister(self._stop_settling)
         self.settled.set()
 
-    def _stop_settling(self):
-        """At exit, let a repack in flight end (a second at most): a thread that comes back from fbgemm once the
-        interpreter is finalizing aborts the process ("terminate called without an active exception")."""
+    def close(self):
+        """At exit: stop settling and warming up, and wait for the torch call in flight in their threads (a repack
+        takes a second at most, a warm-up ends at its next step). Daemon threads are cut off when the interpreter
+        finalizes, and one that comes back from torch then aborts the process ("terminate called without an
+        active exception", exit code 134). Answers in flight need nothing: they run in executor threads, which
+        Python lets finish their step before it finalizes."""
         self._exiting.set()
+        self._stop.set()
         if self._settler.is_alive():
             self._settler.join()
+        with self._warming:
+            pass
 
     def set_threads(self, n: int):
         """Intra-op threads, applied from the next request on."""
@@ -193,18 +206,21 @@ class Engine:
     def warm_up(self, pictures: list, question: str):
         """Encode pictures into the feature store and answer one short question about the first, so that the first
         visitor pays no lazy initialisation; then set ready, even if warming up failed. Requests meanwhile wait."""
-        try:
-            params = replace(self.settings.gen, max_new_tokens=2, min_new_tokens=0, greedy=True)
-            if pictures and self.features is not None:
-                inputs, _ = self._inputs([Turn("user", question, tuple(pictures))], params)
-                with self._lock, torch.inference_mode():
-                    self._image_features(inputs, self._images(inputs), 0)
-            for _ in self.chat([Turn("user", question, tuple(pictures[:1]))], params):
-                pass
-        except Exception:
-            log.exception("warming up failed; the first request will pay for it")
-        finally:
-            self.ready.set()
+        with self._warming:
+            try:
+                params = replace(self.settings.gen, max_new_tokens=2, min_new_tokens=0, greedy=True)
+                if pictures and self.features is not None and not self._exiting.is_set():
+                    inputs, _ = self._inputs([Turn("user", question, tuple(pictures))], params)
+                    with self._lock, torch.inference_mode():
+                        self._image_features(inputs, self._images(inputs), 0)
+                if not self._exiting.is_set():
+                    for _ in self.chat([Turn("user", question, tuple(pictures[:1]))], params):
+                        if self._exiting.is_set():
+                            break
+            except Exception:
+                log.exception("warming up failed; the first request will pay for it")
+            finally:
+                self.ready.set()
 
     def chat(self, turns: list[Turn], params: GenParams | None = None) -> Iterator[str | Stats]:
         """Answer the conversation: yield text pieces as they are generated, then one Stats.

@@ -1,6 +1,10 @@
 """The engine: streaming answers about images, budgets, limits, stop and threads, on the tiny model."""
+import os
+import subprocess
+import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +178,27 @@ def test_hub_id_without_network_or_local_copy_falls_back_at_once(tmp_path, monke
     engine = Engine(settings.parse(["--quant", "fp32"], env={}))
     assert engine.fallback.startswith("could not load 'Qwen/Qwen3-VL-2B-Instruct'")
     assert "unreachable" in engine.fallback
+
+
+EXIT_WHILE_WARMING = """
+import sys, threading, time, torch
+from qvl import settings
+from qvl.engine import Engine
+engine = Engine(settings.parse(["--model", sys.argv[1], "--quant", "fp32", "--no-cache", "--cache-dir", sys.argv[2]],
+                               env={}))
+big = torch.ones(800, 800)
+engine.model.model.language_model.layers[0].register_forward_pre_hook(
+    lambda *_: [big @ big for _ in range(300)])  # the warm-up's prefill a while inside torch, op after op
+threading.Thread(target=engine.warm_up, args=([], "Hi"), daemon=True).start()  # as the app starts it
+time.sleep(0.5)
+print("warming at exit:", not engine.ready.is_set())
+"""
+
+
+def test_an_exit_while_warming_up_waits_for_the_step_in_flight_instead_of_aborting(tiny_dir, tmp_path):
+    # Ctrl+C or SIGTERM in the first seconds of the app: the warm-up thread was inside torch when Python finalized.
+    child = subprocess.run([sys.executable, "-c", EXIT_WHILE_WARMING, str(tiny_dir), str(tmp_path)],
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert "warming at exit: True" in child.stdout, child.stderr[-2000:]
+    assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-2000:]
