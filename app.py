@@ -13,6 +13,11 @@ def main():
     heap.limit_arenas()  # before the model, the server and their threads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes, one line each
+    if not config.backend:
+        from qvl import modelcache
+
+        # A stored quantized model is read and packed (fbgemm releases the GIL) while the imports below run.
+        ahead = modelcache.read_ahead(config)
     from qvl import answers, cache, cpu, idle, openai_api, tool, ui
 
     log.info("CPU: %s", cpu.describe())
@@ -23,7 +28,7 @@ def main():
     else:
         from qvl.engine import Engine
 
-        engine = Engine(config)
+        engine = Engine(config, ahead)
     if engine.fallback:
         log.warning("\n%s\n!! OFFLINE FALLBACK: %s\n!! The tiny random model answers; its answers are gibberish.\n%s",
                     "!" * 100, engine.fallback, "!" * 100)

@@ -39,7 +39,7 @@ import torch
 from PIL import Image, ImageDraw
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from qvl import cpu, generate, lean, quant, settings, tiny
+from qvl import cpu, generate, lean, modelcache, quant, settings, tiny
 from qvl.engine import Engine, Turn
 
 CONFIG = Path(__file__).with_name("qwen3-vl-2b-instruct.config.json")
@@ -445,13 +445,13 @@ def process_age() -> float:
     return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
 
 
-def child(args):
+def child(args, ahead: modelcache.Reader | None):
     """One row: load through the Engine, warm up, time --runs answers, then measure fidelity against fp32's."""
     start = time.perf_counter()
     features = tempfile.mkdtemp()  # the image-feature store starts empty, and the user's is left alone
     argv = ["--model", args.model, "--quant", args.quant, "--no-cache", "--require-model", "--cache-dir", features,
             "--model-cache-dir", args.model_cache_dir]
-    engine = Engine(settings.parse(argv, env={k: v for k, v in os.environ.items() if k == "QVL_THREADS"}))
+    engine = Engine(settings.parse(argv, env={k: v for k, v in os.environ.items() if k == "QVL_THREADS"}), ahead)
     ready_s = process_age()  # the model is in: a request could be answered, paying the first call's costs
     engine.settled.wait()  # a start from the model cache repacks its pieces in the background: time the result
     settled_s = process_age()
@@ -477,7 +477,7 @@ def child(args):
         torch.save({"ids": ids, "logits": teacher_forced_logits(engine, inputs, ids)}, reference)
     row = {
         "name": args.child, "precision": engine.precision, "threads": engine.threads,
-        "ready_s": ready_s, "settled_s": settled_s, "load_s": load_s,
+        "ready_s": ready_s, "settled_s": settled_s, "load_s": load_s, "read_ahead": ahead is not None,
         "ttft_s": statistics.median(s.ttft_s for s in runs),
         "decode_tok_s": statistics.median(s.decode_tok_s for s in runs),
         "e2e_s": statistics.median(s.total_s for s in runs),
@@ -494,12 +494,24 @@ def child(args):
     shutil.rmtree(features, ignore_errors=True)
 
 
+# A row's process starts the way app.py does: the stored model read ahead while transformers imports.
+CHILD = """
+import sys
+from qvl import modelcache, settings
+flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+ahead = modelcache.read_ahead(settings.parse([f for k in ("--model", "--quant", "--model-cache-dir")
+                                              for f in (k, flags[k])], env={}))
+from qvl import bench
+bench.main(sys.argv[1:], ahead)
+"""
+
+
 def run_row(name: str, model: str, runs: int, reference: Path, memory: str) -> dict:
     mode, env, prefix = ROWS[name]
     # Each row starts cold, with a model cache of its own, except that NAME-warm shares NAME's.
     models = reference.parent / "models" / name.removesuffix("-warm")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [*prefix, sys.executable, "-m", "qvl.bench", "--child", name, "--quant", mode, "--model", model,
+        command = [*prefix, sys.executable, "-c", CHILD, "--child", name, "--quant", mode, "--model", model,
                    "--runs", str(runs), "--reference", str(reference), "--out", out.name, "--scenarios", memory,
                    "--model-cache-dir", str(models)]
         subprocess.run(command, check=True, env={**os.environ, **env})
@@ -536,7 +548,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def main(argv=None, ahead: modelcache.Reader | None = None):
+    """The command line; ahead: a row's process's read-ahead (CHILD)."""
     parser = argparse.ArgumentParser(prog="python -m qvl.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder or hub id (real weights)")
     parser.add_argument("--random-weights", action="store_true", help="the 2B architecture with random weights")
@@ -557,7 +570,7 @@ def main(argv=None):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        return child(args)
+        return child(args, ahead)
     if args.kernels:
         print(f"{cpu.describe()}; torch {torch.__version__}; one decode row, 6144x2048 weights out of cache\n")
         print("| kernel | ms | weights GB/s |\n|---|---|---|")

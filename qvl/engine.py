@@ -13,7 +13,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
+from transformers import DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from qvl import conversation, features, generate, heap, images, kv, modelcache, quant, texts, tiny
@@ -26,35 +26,15 @@ log = logging.getLogger("qvl")
 TINY_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "tiny-v1"
 
 
-def _weights_version(config, source: str) -> str:
-    """The hub commit when there is one; for a local folder, a hash of each weight file's name, size and ends."""
-    commit = getattr(config, "_commit_hash", None)
-    if commit:
-        return commit
-    digest = hashlib.sha256()
-    for path in sorted(Path(source).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            size = path.stat().st_size
-            digest.update(f"{path.name}:{size}".encode() + f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            digest.update(f.read())
-    return digest.hexdigest()[:16]
-
-
 def _local_copy(source: str) -> str:
     """A folder holding the checkpoint: source itself, the hub cache's copy, or a fresh download.
 
     The hub client retries an unreachable host for minutes; a 3-second probe turns that into an immediate fallback.
     """
-    if Path(source).is_dir():
-        return source
+    if folder := modelcache.checkpoint_folder(source):
+        return folder
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    try:
-        return snapshot_download(source, local_files_only=True)
-    except LocalEntryNotFoundError:
-        pass
     host = urlparse(constants.ENDPOINT)
     try:
         socket.create_connection((host.hostname, host.port or 443), timeout=3).close()
@@ -88,7 +68,8 @@ class Engine:
     conversations (kv) and the image-feature store (features) are None when switched off. close() runs at exit.
     """
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, ahead: modelcache.Reader | None = None):
+        """ahead: modelcache.read_ahead(settings), started before transformers was imported, or None."""
         self.settings = settings
         self.fallback: str | None = None  # why the tiny model serves instead of the real one
         # The inter-op pool is fixed by torch at its first parallel op, so it is set here, once, before loading.
@@ -103,7 +84,7 @@ class Engine:
         self.ready = threading.Event()
         self._warming = threading.Lock()  # held by warm_up, which close() waits for
         try:
-            self._load(self.settings.model)
+            self._load(self.settings.model, ahead)
         except Exception as e:  # hub unreachable, folder missing, wrong checkpoint: all end in the same fallback
             reason = f"could not load {self.settings.model!r}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
             if self.settings.require_model:
@@ -113,6 +94,8 @@ class Engine:
                     "Without --require-model the app serves a tiny offline model instead."
                 ) from e
             self.fallback = reason
+            if ahead is not None:
+                ahead.close()
             log.warning("%s. Serving the TINY OFFLINE MODEL instead: answers will be gibberish.", reason)
             if not (TINY_DIR / "model.safetensors").exists():
                 tiny.build(TINY_DIR)
@@ -127,12 +110,12 @@ class Engine:
         on = size == "auto" or parse_size(size) > 0
         self.features = features.FeatureStore(os.path.join(self.settings.cache_dir, "features"), size) if on else None
 
-    def _load(self, source: str):
+    def _load(self, source: str, ahead: modelcache.Reader | None = None):
         self.folder = _local_copy(source)
         self.processor = ImageOnlyProcessor.from_pretrained(self.folder, backend="pil")
-        weights = _weights_version(AutoConfig.from_pretrained(self.folder), self.folder)
+        weights = modelcache.weights_version(self.folder)
         store = self.settings.model_cache_dir if self.settings.model_cache else None
-        self.model, self.precision = modelcache.load(self.folder, self.settings.quant, weights, store)
+        self.model, self.precision = modelcache.load(self.folder, self.settings.quant, weights, store, ahead)
         self.model_id = source
         limit = self.model.config.text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context, limit)

@@ -20,23 +20,57 @@ change no output bit.
 The file is read with plain reads into memory, not memory-mapped: fbgemm copies every int8 weight into its packed
 layout, and a mapping would keep the source pages resident beside the copy. So loading holds the stored tensors
 plus one packed layer at most, the same peak as converting.
+
+Reading and packing need only torch: read_ahead() lets a start begin them before transformers and Gradio import
+(seconds of one core; packing releases the GIL), and the model is then assembled from that Reader, each linear taken
+as soon as it is packed.
 """
+import atexit
 import functools
+import hashlib
+import itertools
 import json
 import logging
 import os
+import threading
+import weakref
 import zlib
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from qvl import heap, lean, quant
+from qvl import heap, quant
 
 log = logging.getLogger("qvl")
 
 LAYOUT = "2"  # what is stored for each module: change it whenever that changes, so older files are rebuilt
 _NAMES = {dtype: name for name, dtype in quant.DTYPES.items()}
+
+
+def checkpoint_folder(source: str) -> str | None:
+    """The folder holding the checkpoint source names, without the network: source itself, or the hub cache's copy."""
+    if Path(source).is_dir():
+        return source
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(source, local_files_only=True)
+    except LocalEntryNotFoundError:
+        return None
+
+
+def weights_version(folder: str) -> str:
+    """A hash of each weight file's name, size and ends: what changes with the weights, wherever they are kept."""
+    digest = hashlib.sha256()
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with open(file, "rb") as f:
+            size = file.stat().st_size
+            digest.update(f"{file.name}:{size}".encode() + f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def key(weights: str, mode: str) -> dict[str, str]:
@@ -47,16 +81,34 @@ def path(folder: str, weights: str, mode: str) -> Path:
     return Path(folder) / f"{mode}-{weights}.safetensors"
 
 
-def load(source: str, mode: str, weights: str, folder: str | None):
-    """quant.load_model(source, mode), read from the model cache in folder when it holds this model (None: off)."""
+def read_ahead(settings) -> "Reader | None":
+    """Start reading the stored model that Engine(settings) will load, if there is one; call it before importing
+    transformers, and give the Reader to the Engine."""
+    mode = quant.resolve(settings.quant)
+    if not settings.model_cache or mode in ("fp32", "bf16") or not (folder := checkpoint_folder(settings.model)):
+        return None
+    weights = weights_version(folder)
+    try:
+        return Reader(path(settings.model_cache_dir, weights, mode), key(weights, mode))
+    except Exception:  # none, or one the engine will find amiss, log and rebuild
+        return None
+
+
+def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reader | None" = None):
+    """quant.load_model(source, mode), read from the model cache in folder when it holds this model (None: off),
+    through ahead when that is reading this model's file."""
     mode = quant.resolve(mode)
+    file, want = (None, None) if folder is None else (path(folder, weights, mode), key(weights, mode))
+    if ahead is not None and ahead.file != file:
+        ahead.close()  # not what this start loads after all
+        ahead = None
     if folder is None or mode in ("fp32", "bf16"):
         return quant.load_model(source, mode)
-    file, want = path(folder, weights, mode), key(weights, mode)
     if file.exists():
         try:
-            model = _read(file, source, want)
-            log.info("loaded the %s model from the model cache %s", mode, file)
+            model = _read(ahead or Reader(file, want), source)
+            log.info("loaded the %s model from the model cache %s%s", mode, file,
+                     " (read ahead, while the imports ran)" if ahead else "")
             return model, quant.describe(mode)
         except Exception as e:  # anything amiss with the file means only that it must be built again
             log.warning("ignoring the model cache file %s (%s: %s); converting the checkpoint again",
@@ -118,70 +170,133 @@ def _write(file: Path, model: nn.Module, want: dict):
         temporary.unlink(missing_ok=True)
 
 
-def _read(file: Path, source: str, want: dict) -> nn.Module:
-    """The model rebuilt from file; raises for a file whose key differs or whose data does not match its CRC."""
-    with open(file, "rb") as f:
-        metadata = json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"]
-    if (found := {k: metadata.get(k) for k in want}) != want:
-        raise ValueError(f"made for {found}, not {want}")
-    tensors, crc, reading = {}, 0, quant.file_tensors(file)
+# Readers to stop at exit: a reading thread that comes back from fbgemm once the interpreter finalizes aborts the
+# process. Weak: a reader that is done and forgotten is freed.
+_OPEN = weakref.WeakSet()
+atexit.register(lambda: [reader.close() for reader in list(_OPEN)])
 
-    def read_through(prefix: str):
-        """Read on past the tensors of the module at prefix (the file holds each module's together, in the model's
-        order), so that fbgemm packs one linear while the next is read."""
-        nonlocal crc
-        seen = any(name.startswith(prefix) for name in tensors)
-        for name, tensor in reading:
-            crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)
-            tensors[name] = tensor
-            if name.startswith(prefix):
-                seen = True
-            elif seen:
+
+class Reader:
+    """One stored model file, read in file order by a thread of its own: each tensor checked into a CRC-32, each
+    fbgemm int8 weight packed into an Int8Linear (in pieces, up to torch's intra-op threads at once) as soon as its
+    module's tensors are in. take() hands them out as they come.
+
+    Raises ValueError at once for a file made for another key (nothing of it is read).
+    """
+
+    def __init__(self, file: Path, want: dict):
+        self.file = file
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        self._metadata = header.pop("__metadata__", {})
+        if (found := {k: self._metadata.get(k) for k in want}) != want:
+            raise ValueError(f"made for {found}, not {want}")
+        self.names = set(header)
+        self._ready, self._done, self._error = {}, False, None
+        self._changed, self._closing = threading.Condition(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="read-ahead", daemon=True)
+        _OPEN.add(self)  # before the thread starts: a process may exit at any time after
+        self._thread.start()
+
+    def take(self, name: str):
+        """The tensor stored under name, or the Int8Linear packed from the fbgemm weight of the module named name,
+        once it is in; it is handed out once. Raises whatever spoiled the reading."""
+        with self._changed:
+            while name not in self._ready and not self._done:
+                self._changed.wait()
+            if name not in self._ready:
+                raise self._error or KeyError(f"{self.file} has no {name}")
+            return self._ready.pop(name)
+
+    def finish(self) -> list[str]:
+        """Wait for the end of the file; raise if it is truncated or fails its CRC-32; the names never taken."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return list(self._ready)
+
+    def close(self):
+        """Stop reading and wait for the packing in flight (a fraction of a second)."""
+        self._closing.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self):
+        try:
+            crc = [0]
+            for name, linear in quant.side_by_side(self._modules(crc)):
+                self._put(name, linear)
+                heap.trim()  # the int8 copy fbgemm packed from
+            if not self._closing.is_set() and f"{crc[0]:08x}" != self._metadata["crc32"]:
+                raise ValueError("data does not match its CRC-32")
+        except Exception as e:
+            self._error = e
+        finally:
+            with self._changed:
+                self._done = True
+                self._changed.notify_all()
+
+    def _modules(self, crc: list):
+        """(module name, job packing its Int8Linear) for each fbgemm weight, in file order (the file holds each
+        module's tensors together); every other tensor is put out as it is read."""
+        module, pending = None, {}
+        for name, tensor in itertools.chain(quant.file_tensors(self.file), [("", None)]):  # "": the end
+            if self._closing.is_set():
                 return
+            owner = name.rpartition(".")[0]
+            if owner != module and pending:
+                yield module, functools.partial(_fbgemm, pending, module)
+                pending = {}
+            module = owner
+            if tensor is None:
+                continue
+            crc[0] = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc[0])
+            if f"{owner}.qweight" in self.names:
+                pending[name] = tensor  # packed once its module is complete
+            else:
+                self._put(name, tensor)
 
-    def linears():
-        for prefix, module in modules:
+    def _put(self, name: str, item):
+        with self._changed:
+            self._ready[name] = item
+            self._changed.notify_all()
+
+
+def _read(reader: Reader, source: str) -> nn.Module:
+    """The model assembled from what reader reads; raises for a file that is spoiled or does not fit the model."""
+    from qvl import lean
+
+    try:
+        model = quant.skeleton(source)
+        lean.fuse(model, copy=False)
+        for prefix, module in list(model.named_modules()):
             if isinstance(module, nn.Linear):
-                read_through(prefix + ".")
-                yield prefix, functools.partial(_linear, tensors, prefix, module.out_features)
-
-    model = quant.skeleton(source)
-    lean.fuse(model, copy=False)
-    modules = list(model.named_modules())
-    converted = []
-    for prefix, linear in quant.side_by_side(linears()):
-        converted.append((prefix, linear))
-        heap.trim()  # the int8 copy fbgemm packed from
-    read_through("")  # the rest, to the end
-    if f"{crc:08x}" != metadata["crc32"]:
-        raise ValueError("data does not match its CRC-32")
-    for prefix, linear in converted:
-        quant.swap(model, prefix, linear)
-    for prefix, module in modules:
-        if isinstance(module, nn.Linear):
-            continue
-        if prefix == quant.EMBEDDING:
-            quant.swap(model, prefix, quant.Bf16Embedding(tensors.pop(f"{prefix}.weight")))
-        else:
-            for name in [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]:
-                tensor = tensors.pop(f"{prefix}.{name}")
-                if name in module._parameters:
-                    module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
-                else:
-                    module._buffers[name] = tensor
-        heap.trim()
-    if tensors:
-        raise ValueError(f"tensors this model does not have, e.g. {next(iter(tensors))}")
+                quant.swap(model, prefix, _linear(reader, prefix, module.out_features))
+            elif prefix == quant.EMBEDDING:
+                quant.swap(model, prefix, quant.Bf16Embedding(reader.take(f"{prefix}.weight")))
+            else:
+                for name in [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]:
+                    tensor = reader.take(f"{prefix}.{name}")
+                    if name in module._parameters:
+                        module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+                    else:
+                        module._buffers[name] = tensor
+        if left := reader.finish():
+            raise ValueError(f"tensors this model does not have, e.g. {left[0]}")
+    finally:
+        reader.close()
+    heap.trim()
     return model
 
 
-def _linear(tensors: dict, prefix: str, out_features: int) -> nn.Module:
-    """The converted module for the linear at prefix, its stored tensors taken out of tensors as it is built."""
-    if f"{prefix}.packed" not in tensors:
-        return _fbgemm(tensors, prefix)
-    prefill = _fbgemm(tensors, f"{prefix}.prefill") if f"{prefix}.prefill.qweight" in tensors else None
-    return quant.Int4Linear(tensors.pop(f"{prefix}.packed"), tensors.pop(f"{prefix}.scale_zero"),
-                            tensors.pop(f"{prefix}.bias", None), out_features, prefill)
+def _linear(reader: Reader, prefix: str, out_features: int) -> nn.Module:
+    """The converted module for the linear at prefix: the reader's Int8Linear, or an Int4Linear of its tensors."""
+    if f"{prefix}.packed" not in reader.names:
+        return reader.take(prefix)
+    prefill = reader.take(f"{prefix}.prefill") if f"{prefix}.prefill.qweight" in reader.names else None
+    bias = reader.take(f"{prefix}.bias") if f"{prefix}.bias" in reader.names else None
+    return quant.Int4Linear(reader.take(f"{prefix}.packed"), reader.take(f"{prefix}.scale_zero"), bias, out_features,
+                            prefill)
 
 
 def _fbgemm(tensors: dict, prefix: str) -> nn.Module:

@@ -9,6 +9,9 @@ for that linear, measured on a Zen 5): `int4` keeps an int4 copy of each text li
 copy for prefill. The quantized modes stream the checkpoint tensor by tensor into an uninitialised skeleton and
 convert each linear as it arrives, so loading never holds a full bf16 copy beside the quantized one (2B int8: 3.3 GB
 peak at load instead of 8.9 GB).
+
+transformers (and qvl.lean, built on it) is imported where a model is built, not at the top: the model cache's
+read-ahead imports this module for its linears, to pack stored weights while transformers is still importing.
 """
 import collections
 import functools
@@ -21,10 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModelForImageTextToText
-from transformers.initialization import no_init_weights
-
-from qvl import cpu, heap, lean
+from qvl import cpu, heap
 
 log = logging.getLogger("qvl")
 
@@ -247,6 +247,9 @@ def _checkpoint_tensors(folder: str):
 
 def skeleton(folder: str) -> nn.Module:
     """The model built from the folder's config, its weights allocated but never initialised (so not resident)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.initialization import no_init_weights
+
     with no_init_weights():
         return AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16).eval()
 
@@ -277,6 +280,8 @@ def _load_converting(folder: str, convert) -> nn.Module:
     The skeleton's weights are never initialised (untouched memory is not resident), so the process holds the
     converted model plus a few layers, never a full bf16 copy. Raises KeyError for a checkpoint laid out otherwise.
     """
+    from qvl import lean
+
     model = skeleton(folder)
     config = model.config
     expected, loaded = set(model.state_dict()), set()  # the checkpoint's names, before fusing
@@ -348,6 +353,10 @@ def describe(mode: str) -> str:
 
 def load_model(source: str, mode: str):
     """Load source (a checkpoint folder) in `mode`; return (model, description of precision/quantization)."""
+    from transformers import AutoModelForImageTextToText
+
+    from qvl import lean
+
     mode = resolve(mode)
     if mode in ("fp32", "bf16"):
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16

@@ -44,6 +44,8 @@ def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path
         assert [s["name"] for s in row["scenarios"]] == ["regenerate"]
     assert math.isinf(data["rows"][0]["sqnr_db"]) and data["rows"][1]["sqnr_db"] < 60
     assert data["rows"][2]["sqnr_db"] == data["rows"][1]["sqnr_db"]  # the second start holds the same model
+    # Only the second start has a stored model to read while it imports, as the app's second start does.
+    assert [r["read_ahead"] for r in data["rows"]] == [False, False, True]
     assert "| fp32 |" in result.stdout and "| auto |" in result.stdout and "| auto | regenerate |" in result.stdout
 
 

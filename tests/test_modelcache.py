@@ -1,6 +1,7 @@
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,74 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
             assert torch.equal(second.model(input_ids=rows).logits, first.model(input_ids=rows).logits)
 
 
+def _settings(tiny_dir, mode, *flags):
+    return settings.parse(["--model", str(tiny_dir), "--quant", mode, "--no-cache", "--feature-cache-size", "0",
+                           *flags], env={})
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_start_handed_the_read_ahead_assembles_from_it_and_answers_the_same(tiny_dir, tmp_path, mode, monkeypatch):
+    store = ["--model-cache-dir", str(tmp_path)]
+    want = _answer(_start(tiny_dir, mode, *store))
+    readers, taken = [], []
+    real_init, real_take = modelcache.Reader.__init__, modelcache.Reader.take
+    monkeypatch.setattr(modelcache.Reader, "__init__", lambda self, *a: readers.append(self) or real_init(self, *a))
+    monkeypatch.setattr(modelcache.Reader, "take", lambda self, name: taken.append(self) or real_take(self, name))
+    ahead = modelcache.read_ahead(_settings(tiny_dir, mode, *store))
+    assert ahead is not None and ahead.file.parent == tmp_path and readers == [ahead]
+    engine = Engine(_settings(tiny_dir, mode, *store), ahead)
+    assert readers == [ahead] and set(taken) == {ahead}  # the stored file was read once, by the reader handed over
+    assert _answer(engine) == want
+
+
+READ_AHEAD = """
+import sys, torch
+from qvl import modelcache, quant, settings
+real, big = quant.Int8Linear.__init__, torch.ones(1500, 1500)
+quant.Int8Linear.__init__ = lambda self, *a, **k: (big @ big, real(self, *a, **k))[1]  # each pack a while in torch
+ahead = modelcache.read_ahead(settings.parse(["--model", sys.argv[1], "--quant", "int8",
+                                              "--model-cache-dir", sys.argv[2]], env={}))
+print("reading:", ahead is not None, "transformers imported:", any(m.startswith("transformers") for m in sys.modules))
+if sys.argv[3] == "finish":
+    print("read to the end, CRC-32 checked, tensors waiting:", len(ahead.finish()) > 0)
+"""
+
+
+@pytest.mark.parametrize("end", ["finish", "exit"])
+def test_the_read_ahead_runs_without_transformers_and_an_exit_meanwhile_is_clean(tiny_dir, tmp_path, end):
+    # Without transformers, so that it runs while transformers imports; an exit (Ctrl+C while the app imports) stops
+    # it between packs: a thread that came back from fbgemm while Python finalized would abort the process.
+    _start(tiny_dir, "int8", "--model-cache-dir", str(tmp_path))
+    child = subprocess.run([sys.executable, "-c", READ_AHEAD, str(tiny_dir), str(tmp_path), end], capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert "reading: True transformers imported: False" in child.stdout, child.stderr[-2000:]
+    assert ("tensors waiting: True" in child.stdout) == (end == "finish")
+    assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-2000:]
+
+
+def test_there_is_nothing_to_read_ahead_without_a_stored_model(tiny_dir, tmp_path):
+    store = ["--model-cache-dir", str(tmp_path)]
+    assert modelcache.read_ahead(_settings(tiny_dir, "int8", *store)) is None  # not converted yet
+    _start(tiny_dir, "int8", *store)
+    assert modelcache.read_ahead(_settings(tiny_dir, "int8", *store)) is not None
+    assert modelcache.read_ahead(_settings(tiny_dir, "int8", "--no-model-cache", *store)) is None
+    assert modelcache.read_ahead(_settings(tiny_dir, "fp32", *store)) is None
+    assert modelcache.read_ahead(_settings(tiny_dir, "int4", *store)) is None  # no int4 model kept
+    [file] = tmp_path.iterdir()
+    _foreign(file)
+    assert modelcache.read_ahead(_settings(tiny_dir, "int8", *store)) is None  # the engine says why, and rebuilds
+
+
+def test_a_read_ahead_of_another_file_is_stopped_and_the_right_one_read(tiny_dir, tmp_path, caplog):
+    store = ["--model-cache-dir", str(tmp_path)]
+    want = _answer(_start(tiny_dir, "int4", *store))
+    _start(tiny_dir, "int8", *store)
+    ahead = modelcache.read_ahead(_settings(tiny_dir, "int8", *store))
+    engine = Engine(_settings(tiny_dir, "int4", *store), ahead)
+    assert ahead._closing.is_set() and not ahead._thread.is_alive()
+    assert _answer(engine) == want and "ignoring" not in caplog.text
+
+
 def test_a_second_start_serves_from_pieces_then_settles_to_the_same_answers(tiny_dir, tmp_path, monkeypatch):
     store = ["--model-cache-dir", str(tmp_path)]
     want = _answer(_start(tiny_dir, "int8", *store))
@@ -94,6 +163,14 @@ def test_an_exit_while_settling_waits_for_the_repack_in_flight_instead_of_aborti
                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
     assert "settling at exit: True" in child.stdout, child.stderr[-2000:]
     assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-2000:]
+
+def test_the_weights_version_follows_the_weight_files_not_where_they_are(tiny_dir, tmp_path):
+    hub = tmp_path / "models--Qwen--Qwen3-VL-2B-Instruct" / "snapshots" / ("0123456789abcdef" * 3)[:40]
+    shutil.copytree(tiny_dir, hub)
+    assert modelcache.weights_version(str(hub)) == modelcache.weights_version(str(tiny_dir))
+    _corrupt(hub / "model.safetensors")
+    assert modelcache.weights_version(str(hub)) != modelcache.weights_version(str(tiny_dir))
+
 
 def _corrupt(file):
     data = bytearray(file.read_bytes())
