@@ -187,8 +187,10 @@ class Engine:
                 self.features.clear()
 
     def warm_up(self, pictures: list, question: str):
-        """Encode pictures into the feature store and answer one short question about the first, so that the first
-        visitor pays no lazy initialisation; then set ready, even if warming up failed. Requests meanwhile wait."""
+        """Encode pictures into the feature store (those not in it yet) and answer one short text question, so that
+        the first visitor pays no lazy initialisation; then set ready, even if warming up failed. Requests meanwhile
+        wait. The question goes without a picture: with one, its prefill (300-odd tokens) held every start's readiness
+        back by 10-25 s on 2 cores, to keep a prefix that only that example's click reuses."""
         with self._warming:
             try:
                 params = replace(self.settings.gen, max_new_tokens=2, min_new_tokens=0, greedy=True)
@@ -197,7 +199,7 @@ class Engine:
                     with self._lock, torch.inference_mode():
                         self._image_features(inputs, self._images(inputs), 0)
                 if not self._exiting.is_set():
-                    for _ in self.chat([Turn("user", question, tuple(pictures[:1]))], params):
+                    for _ in self.chat([Turn("user", question)], params):
                         if self._exiting.is_set():
                             break
             except Exception:

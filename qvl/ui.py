@@ -61,10 +61,9 @@ def upload_ceiling(settings) -> int:
 
 
 def warm_up_request() -> tuple[list[str], str]:
-    """What the engine answers at start-up: every example picture encoded, the first example's question asked, so
-    that the first visitor pays no lazy initialisation and an example clicked in English starts from kept work."""
-    _, key = chat_tab.EXAMPLES[0]
-    return [str(ASSETS / picture) for picture, _ in chat_tab.EXAMPLES], texts.TEXT["en"][key]
+    """What the engine does at start-up (Engine.warm_up): encode every example picture, so that a click on an example
+    skips the vision tower, and answer a greeting."""
+    return [str(ASSETS / picture) for picture, _ in chat_tab.EXAMPLES], "Hello!"
 
 
 def page_assets() -> dict:

@@ -131,8 +131,12 @@ def test_warm_up_encodes_the_examples_then_sets_ready(memoryless):
     examples = [picture(320, 240, (250, 200, 0)), picture(96, 160)]
     engine = memoryless()
     assert not engine.ready.is_set()
+    asked, chat = [], engine.chat
+    engine.chat = lambda turns, params: asked.append(turns) or chat(turns, params)
     engine.warm_up(examples, "What is this?")
     assert engine.ready.is_set() and engine.memory_info()["features"]["disk_entries"] == 2
+    # The short answer that initialises the decode path goes without a picture: a picture's prefill is seconds.
+    assert [[turn.images for turn in turns] for turns in asked] == [[()]]
     calls = tower(engine)
     for example in examples:
         assert ask(engine, [Turn("user", "Describe it.", (example,))]).stats.cached_images == 1
