@@ -89,7 +89,9 @@ def read_ahead(settings) -> "Reader | None":
         return None
     weights = weights_version(folder)
     try:
-        return Reader(path(settings.model_cache_dir, weights, mode), key(weights, mode))
+        # As many packers as the engine will have threads: torch's default before the engine sets it is every core
+        # the machine has, more than a container may use.
+        return Reader(path(settings.model_cache_dir, weights, mode), key(weights, mode), settings.threads)
     except Exception:  # none, or one the engine will find amiss, log and rebuild
         return None
 
@@ -178,14 +180,14 @@ atexit.register(lambda: [reader.close() for reader in list(_OPEN)])
 
 class Reader:
     """One stored model file, read in file order by a thread of its own: each tensor checked into a CRC-32, each
-    fbgemm int8 weight packed into an Int8Linear (in pieces, up to torch's intra-op threads at once) as soon as its
-    module's tensors are in. take() hands them out as they come.
+    fbgemm int8 weight packed into an Int8Linear (in pieces, up to `workers` at once, default torch's intra-op threads)
+    as soon as its module's tensors are in. take() hands them out as they come.
 
     Raises ValueError at once for a file made for another key (nothing of it is read).
     """
 
-    def __init__(self, file: Path, want: dict):
-        self.file = file
+    def __init__(self, file: Path, want: dict, workers: int | None = None):
+        self.file, self._workers = file, workers
         with open(file, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         self._metadata = header.pop("__metadata__", {})
@@ -224,7 +226,7 @@ class Reader:
     def _run(self):
         try:
             crc = [0]
-            for name, linear in quant.side_by_side(self._modules(crc)):
+            for name, linear in quant.side_by_side(self._modules(crc), self._workers):
                 self._put(name, linear)
                 heap.trim()  # the int8 copy fbgemm packed from
             if not self._closing.is_set() and f"{crc[0]:08x}" != self._metadata["crc32"]:

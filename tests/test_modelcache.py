@@ -70,8 +70,13 @@ def test_a_start_handed_the_read_ahead_assembles_from_it_and_answers_the_same(ti
     real_init, real_take = modelcache.Reader.__init__, modelcache.Reader.take
     monkeypatch.setattr(modelcache.Reader, "__init__", lambda self, *a: readers.append(self) or real_init(self, *a))
     monkeypatch.setattr(modelcache.Reader, "take", lambda self, name: taken.append(self) or real_take(self, name))
-    ahead = modelcache.read_ahead(_settings(tiny_dir, mode, *store))
+    packers, side_by_side = [], quant.side_by_side
+    monkeypatch.setattr(quant, "side_by_side", lambda jobs, workers=None: packers.append(workers) or side_by_side(
+        jobs, workers))
+    ahead = modelcache.read_ahead(_settings(tiny_dir, mode, "--threads", "1", *store))
     assert ahead is not None and ahead.file.parent == tmp_path and readers == [ahead]
+    ahead.finish()
+    assert packers == [1]  # the engine's threads, not every core torch sees before the engine sets them
     engine = Engine(_settings(tiny_dir, mode, *store), ahead)
     assert readers == [ahead] and set(taken) == {ahead}  # the stored file was read once, by the reader handed over
     assert _answer(engine) == want
