@@ -83,16 +83,19 @@ def path(folder: str, weights: str, mode: str) -> Path:
 
 def read_ahead(settings) -> "Reader | None":
     """Start reading the stored model that Engine(settings) will load, if there is one; call it before importing
-    transformers, and give the Reader to the Engine."""
+    transformers, and give the Reader to the Engine. None when there is nothing to read or anything is amiss (no such
+    folder, a foreign file): the engine finds that again, and says it."""
     mode = quant.resolve(settings.quant)
-    if not settings.model_cache or mode in ("fp32", "bf16") or not (folder := checkpoint_folder(settings.model)):
+    if not settings.model_cache or mode in ("fp32", "bf16"):
         return None
-    weights = weights_version(folder)
     try:
+        if (folder := checkpoint_folder(settings.model)) is None:
+            return None
+        weights = weights_version(folder)
         # As many packers as the engine will have threads: torch's default before the engine sets it is every core
         # the machine has, more than a container may use.
         return Reader(path(settings.model_cache_dir, weights, mode), key(weights, mode), settings.threads)
-    except Exception:  # none, or one the engine will find amiss, log and rebuild
+    except Exception:
         return None
 
 

@@ -222,3 +222,11 @@ def test_a_second_start_reads_the_kept_model_while_the_app_imports(launch_app, t
         _, status = Client(second.url, verbose=False).predict([], "Hi", max_new_tokens=4, api_name="/ask")
     assert "tok/s" in status
     assert "from the model cache" in second.log.read_text() and "read ahead" in second.log.read_text()
+
+
+def test_a_missing_model_folder_stops_a_require_model_app_with_the_fixes(tmp_path):
+    # --quant int8: the app first looks for a kept model to read ahead, which must leave the verdict to the engine.
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(RuntimeError) as failed:
+        stress.launch(missing, tmp_path, "--quant", "int8", "--require-model", "--model-cache-dir", str(tmp_path))
+    assert "exited with 1" in str(failed.value) and "Fixes:" in str(failed.value), str(failed.value)[-2000:]
