@@ -496,11 +496,12 @@ def child(args, ahead: modelcache.Reader | None):
 
 # A row's process starts the way app.py does: the stored model read ahead while transformers imports.
 CHILD = """
-import sys
+import os, sys
 from qvl import modelcache, settings
 flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 ahead = modelcache.read_ahead(settings.parse([f for k in ("--model", "--quant", "--model-cache-dir")
-                                              for f in (k, flags[k])], env={}))
+                                              for f in (k, flags[k])], env={k: v for k, v in os.environ.items()
+                                                                            if k == "QVL_THREADS"}))
 from qvl import bench
 bench.main(sys.argv[1:], ahead)
 """
