@@ -1,5 +1,8 @@
 import contextlib
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,16 @@ from qvl.engine import Engine
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return tiny.build(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def python_child():
+    """python_child(script, *args): script run by a fresh Python that imports this checkout; output captured as text.
+
+    For what only a process of its own shows: what it imported, and how it exits."""
+    return lambda script, *args: subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,6 @@
 """The engine: streaming answers about images, budgets, limits, stop and threads, on the tiny model."""
-import os
-import subprocess
-import sys
 import threading
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -195,10 +191,8 @@ print("warming at exit:", not engine.ready.is_set())
 """
 
 
-def test_an_exit_while_warming_up_waits_for_the_step_in_flight_instead_of_aborting(tiny_dir, tmp_path):
+def test_an_exit_while_warming_up_waits_for_the_step_in_flight_instead_of_aborting(tiny_dir, tmp_path, python_child):
     # Ctrl+C or SIGTERM in the first seconds of the app: the warm-up thread was inside torch when Python finalized.
-    child = subprocess.run([sys.executable, "-c", EXIT_WHILE_WARMING, str(tiny_dir), str(tmp_path)],
-                           capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    child = python_child(EXIT_WHILE_WARMING, tiny_dir, tmp_path)
     assert "warming at exit: True" in child.stdout, child.stderr[-2000:]
     assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-2000:]

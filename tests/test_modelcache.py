@@ -1,10 +1,6 @@
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -96,12 +92,12 @@ if sys.argv[3] == "finish":
 
 
 @pytest.mark.parametrize("end", ["finish", "exit"])
-def test_the_read_ahead_runs_without_transformers_and_an_exit_meanwhile_is_clean(tiny_dir, tmp_path, end):
+def test_the_read_ahead_runs_without_transformers_and_an_exit_meanwhile_is_clean(tiny_dir, tmp_path, end,
+                                                                                  python_child):
     # Without transformers, so that it runs while transformers imports; an exit (Ctrl+C while the app imports) stops
     # it between packs: a thread that came back from fbgemm while Python finalized would abort the process.
     _start(tiny_dir, "int8", "--model-cache-dir", str(tmp_path))
-    child = subprocess.run([sys.executable, "-c", READ_AHEAD, str(tiny_dir), str(tmp_path), end], capture_output=True,
-                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    child = python_child(READ_AHEAD, tiny_dir, tmp_path, end)
     assert "reading: True transformers imported: False" in child.stdout, child.stderr[-2000:]
     assert ("tensors waiting: True" in child.stdout) == (end == "finish")
     assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-2000:]
@@ -164,10 +160,8 @@ print("settling at exit:", not start().settled.is_set())
 """
 
 
-def test_an_exit_while_settling_waits_for_the_repack_in_flight_instead_of_aborting(tiny_dir, tmp_path):
-    child = subprocess.run([sys.executable, "-c", EXIT_WHILE_SETTLING, str(tiny_dir), str(tmp_path)],
-                           capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+def test_an_exit_while_settling_waits_for_the_repack_in_flight_instead_of_aborting(tiny_dir, tmp_path, python_child):
+    child = python_child(EXIT_WHILE_SETTLING, tiny_dir, tmp_path)
     assert "settling at exit: True" in child.stdout, child.stderr[-2000:]
     assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-2000:]
 
