@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import diskcache
 import pytest
@@ -269,9 +270,14 @@ def test_a_bad_size_is_a_clear_error(text):
         parse_size(text)
 
 
-def test_the_default_size_is_a_fraction_of_the_free_disk_capped_at_2gb(tmp_path):
+@pytest.mark.parametrize("free, limit", [(10 << 30, (10 << 30) // 20), (100 << 30, 2 << 30), (1 << 20, 16 << 20)])
+def test_the_default_size_is_a_fraction_of_the_free_disk_capped_at_2gb(tmp_path, monkeypatch, free, limit):
+    from qvl import cache
     from qvl.cache import auto_size
 
-    free = shutil.disk_usage(tmp_path).free
-    assert auto_size(str(tmp_path / "not" / "yet" / "made")) == min(2 << 30, max(16 << 20, free // 20))
-    assert AnswerCache(str(tmp_path / "c")).size_limit == auto_size(str(tmp_path))
+    # A fixed free space: the disk's own changes between two readings (the cache's first write) made this test fail
+    # whenever 5% of it was under the cap.
+    asked = []
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda path: asked.append(path) or SimpleNamespace(free=free))
+    assert auto_size(str(tmp_path / "not" / "yet" / "made")) == limit and asked == [str(tmp_path)]
+    assert AnswerCache(str(tmp_path / "c")).size_limit == limit
