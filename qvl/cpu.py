@@ -30,30 +30,57 @@ def _cgroup_quota(root: Path) -> float | None:
     return max(1.0, int(quota) / int(period))
 
 
+# AMD (family, first model, last model, core): cloud VMs often name the CPU only "AMD EPYC", and this project's dev VMs
+# so named were Zen 3 on some days and Zen 1 on others, whose fbgemm int8 prefill ran 3x slower (216 against 67
+# GFLOP/s: Zen 1 splits every 256-bit AVX2 op in two). A figure is only comparable with one from the same core.
+_AMD_CORES = [(23, 0x08, 0x08, "Zen+"), (23, 0x18, 0x18, "Zen+"), (23, 0x00, 0x2F, "Zen 1"),
+              (23, 0x30, 0xFF, "Zen 2"), (25, 0x10, 0x1F, "Zen 4"), (25, 0x60, 0xAF, "Zen 4"),
+              (25, 0x00, 0x5F, "Zen 3"), (26, 0x00, 0x7F, "Zen 5")]
+
+
 @cache
-def flags() -> frozenset[str]:
-    """Instruction-set names from _FLAGS that this CPU has (empty where /proc/cpuinfo is missing)."""
+def _cpuinfo() -> str:
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    have = set(line.split(":", 1)[-1].split())
+        return ""
+
+
+def _field(name: str, text: str) -> str:
+    """The first processor's value for name in /proc/cpuinfo's text ("" where missing)."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return ""
+
+
+def flags(text: str | None = None) -> frozenset[str]:
+    """Instruction-set names from _FLAGS that this CPU has (empty where /proc/cpuinfo is missing)."""
+    have = set(_field("flags", _cpuinfo() if text is None else text).split())
     return frozenset(name for flag, name in _FLAGS.items() if flag in have)
 
 
-@cache
-def model_name() -> str:
+def model_name(text: str | None = None) -> str:
+    return _field("model name", _cpuinfo() if text is None else text) or platform.processor() or platform.machine()
+
+
+def core(text: str | None = None) -> str:
+    """AMD's core generation ('Zen 3'), or 'family F model M' for an AMD one this table does not know; '' for
+    other vendors, whose model names say it."""
+    text = _cpuinfo() if text is None else text
+    if _field("vendor_id", text) != "AuthenticAMD":
+        return ""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        family, model = int(_field("cpu family", text)), int(_field("model", text))
+    except ValueError:
+        return ""
+    return next((name for f, first, last, name in _AMD_CORES if f == family and first <= model <= last),
+                f"family {family} model {model}")
 
 
 def describe() -> str:
-    """One line for logs and the settings tab, e.g. 'AMD EPYC, 2 cores, AVX2 AVX-512 VNNI BF16'."""
+    """One line for logs and benchmarks, e.g. 'AMD EPYC (Zen 3), 2 cores, AVX2'."""
     have = [name for name in _FLAGS.values() if name in flags()]
-    return f"{model_name()}, {available_cores()} cores, {' '.join(have) or 'no AVX2'}"
+    name = f"{model_name()} ({core()})" if core() else model_name()
+    return f"{name}, {available_cores()} cores, {' '.join(have) or 'no AVX2'}"

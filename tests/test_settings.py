@@ -126,3 +126,29 @@ def test_conversation_memory_is_sized_like_the_caches_and_auto_follows_the_ram(t
     assert kv.auto_limit(str(tmp_path / "memory.max")) == 1 << 30  # an eighth of a container's 8 GiB
     (tmp_path / "memory.max").write_text("max\n")
     assert 0 < kv.auto_limit(str(tmp_path / "memory.max")) <= 4 << 30
+
+
+def _cpuinfo(vendor: str, family: int, model: int, name: str) -> str:
+    return (f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+            f"model name\t: {name}\nflags\t\t: fpu sse2 avx2 fma\n\nprocessor\t: 1\nvendor_id\t: {vendor}\n")
+
+
+@pytest.mark.parametrize("vendor, family, model, name, core", [
+    ("AuthenticAMD", 23, 1, "AMD EPYC", "Zen 1"),  # what this project's dev VMs report for a Naples host
+    ("AuthenticAMD", 23, 49, "AMD EPYC 7B12", "Zen 2"),
+    ("AuthenticAMD", 25, 1, "AMD EPYC", "Zen 3"),  # the same masked name, three times the int8 prefill
+    ("AuthenticAMD", 25, 17, "AMD EPYC 9R14", "Zen 4"),
+    ("AuthenticAMD", 26, 2, "AMD EPYC", "Zen 5"),
+    ("AuthenticAMD", 27, 0, "AMD EPYC", "family 27 model 0"),
+    ("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8480+", ""),
+])
+def test_an_amd_cpu_is_named_by_its_core_generation_which_its_model_name_may_hide(vendor, family, model, name, core):
+    text = _cpuinfo(vendor, family, model, name)
+    assert (cpu.core(text), cpu.model_name(text), cpu.flags(text)) == (core, name, frozenset({"AVX2"}))
+
+
+def test_the_start_up_line_and_the_benchmarks_name_the_core_generation(monkeypatch):
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: _cpuinfo("AuthenticAMD", 23, 1, "AMD EPYC"))
+    assert cpu.describe().startswith("AMD EPYC (Zen 1), ") and cpu.describe().endswith(" cores, AVX2")
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: _cpuinfo("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8480+"))
+    assert cpu.describe().startswith("Intel(R) Xeon(R) Platinum 8480+, ")
