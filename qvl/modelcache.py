@@ -127,6 +127,19 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
     return model, precision
 
 
+def _sweep(file: Path):
+    """Remove what writes of file by processes that are gone left (killed, out of memory, or exiting mid-write while
+    loading in the background): gigabytes each, never read."""
+    for stale in file.parent.glob(f"{file.name}.*.tmp"):
+        pid = stale.name[len(file.name) + 1:-len(".tmp")]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            stale.unlink(missing_ok=True)
+        except (ValueError, OSError):  # not a pid of ours, or a live process of another user: not ours to remove
+            pass
+
+
 def _tensors(model: nn.Module):
     """(name, tensor) for everything the converted model holds, in a form that load() can rebuild it from."""
     for prefix, module in model.named_modules():
@@ -157,6 +170,7 @@ def _write(file: Path, model: nn.Module, want: dict):
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
     file.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(file)
     temporary = file.with_name(f"{file.name}.{os.getpid()}.tmp")
     try:
         with open(temporary, "wb") as f:

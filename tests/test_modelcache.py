@@ -1,6 +1,9 @@
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -225,3 +228,14 @@ def test_a_crash_mid_write_leaves_no_file_a_later_start_trusts(tiny_dir, tmp_pat
     with pytest.raises(OSError):
         modelcache._write(file, model, modelcache.key("v", "int8"))
     assert _files(tmp_path) == []
+
+
+def test_a_write_removes_what_writes_by_processes_that_are_gone_left(tiny_dir, tmp_path):
+    model, _ = quant.load_model(str(tiny_dir), "int8")
+    file = modelcache.path(str(tmp_path), "v", "int8")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, live = (file.with_name(f"{file.name}.{pid}.tmp") for pid in (gone.stdout.strip(), os.getppid()))
+    for left in (dead, live):
+        left.write_bytes(b"half a model")
+    modelcache._write(file, model, modelcache.key("v", "int8"))
+    assert _files(tmp_path) == sorted([file.name, live.name])  # the live one may still be writing
