@@ -18,7 +18,7 @@ def main():
 
         # A stored quantized model is read and packed (fbgemm releases the GIL) while the imports below run.
         ahead = modelcache.read_ahead(config)
-    from qvl import answers, cache, cpu, idle, openai_api, tool, ui
+    from qvl import cpu
 
     log.info("CPU: %s", cpu.describe())
     if config.backend:  # a model server elsewhere answers: no torch here
@@ -28,11 +28,21 @@ def main():
     else:
         from qvl.engine import Engine
 
-        engine = Engine(config, ahead)
+        engine = Engine(config, ahead, background=True)  # the page serves while the weights load
     if engine.fallback:
         log.warning("\n%s\n!! OFFLINE FALLBACK: %s\n!! The tiny random model answers; its answers are gibberish.\n%s",
                     "!" * 100, engine.fallback, "!" * 100)
     log.info("model %s, %s, %d threads", engine.model_id, engine.precision, engine.threads)
+    try:
+        serve(engine, config)
+    finally:
+        engine.close()  # before the interpreter stops the thread pools that a background load may be using
+
+
+def serve(engine, config):
+    """The page, the OpenAI API and the warm-up, until Ctrl+C or SIGTERM."""
+    from qvl import answers, cache, idle, openai_api, tool, ui
+
     answerer = answers.Answerer(engine, cache.AnswerCache(config.cache_dir, config.cache_size, enabled=config.cache),
                                 config)
     demo = ui.build(answerer, config)
@@ -49,7 +59,8 @@ def main():
     )
     # The page serves at once and says it is warming up; questions asked meanwhile wait in line for the engine.
     threading.Thread(target=engine.warm_up, args=ui.warm_up_request(), name="warm-up", daemon=True).start()
-    log.info("qvl is ready: open %s in a browser", demo.local_url)
+    log.info("qvl is up: open %s in a browser%s", demo.local_url,
+             "" if engine.ready.is_set() else " (questions asked while the model loads and warms up wait in line)")
     if config.mcp:
         tool.offer(demo)
         log.info("MCP server (streamable HTTP): %s/gradio_api/mcp/", (demo.share_url or demo.local_url).rstrip("/"))

@@ -13,7 +13,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import DynamicCache, Qwen3VLProcessor
+from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from qvl import conversation, features, generate, heap, images, kv, modelcache, quant, texts, tiny
@@ -63,13 +63,19 @@ atexit.register(lambda: [engine.close() for engine in list(_OPEN)])
 class Engine:
     """Qwen3-VL loaded once; attributes model_id, folder, precision, identity, max_context describe it.
 
-    ready is set once warm_up() has run (the app says it is warming up until then); settled once the int8 linears
-    that a start from the model cache packed in pieces are repacked (answers are the same before). Kept
-    conversations (kv) and the image-feature store (features) are None when switched off. close() runs at exit.
+    loaded is set once the weights are in, ready once warm_up() has run (the app says it is warming up until then),
+    settled once the int8 linears that a start from the model cache packed in pieces are repacked (answers are the
+    same before). Kept conversations (kv) and the image-feature store (features) are None when switched off. close()
+    runs at exit.
     """
 
-    def __init__(self, settings: Settings, ahead: modelcache.Reader | None = None):
-        """ahead: modelcache.read_ahead(settings), started before transformers was imported, or None."""
+    def __init__(self, settings: Settings, ahead: modelcache.Reader | None = None, background: bool = False):
+        """ahead: modelcache.read_ahead(settings), started before transformers was imported, or None.
+
+        background: return once the checkpoint is found, and read or convert its weights (most of a start: seconds
+        from the model cache, minutes converting) in a thread, so that the app serves its page meanwhile; chat()
+        waits for them. A checkpoint that is missing falls back (or raises) here as without it.
+        """
         self.settings = settings
         self.fallback: str | None = None  # why the tiny model serves instead of the real one
         # The inter-op pool is fixed by torch at its first parallel op, so it is set here, once, before loading.
@@ -81,47 +87,84 @@ class Engine:
         self.set_threads(self.settings.threads)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.ready = threading.Event()
+        self.loaded, self.ready, self.settled = threading.Event(), threading.Event(), threading.Event()
+        self._exiting = threading.Event()
         self._warming = threading.Lock()  # held by warm_up, which close() waits for
-        try:
-            self._load(self.settings.model, ahead)
-        except Exception as e:  # hub unreachable, folder missing, wrong checkpoint: all end in the same fallback
-            reason = f"could not load {self.settings.model!r}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            if self.settings.require_model:
-                raise ModelUnavailable(
-                    f"{reason}\nFixes: connect to the internet so the weights can download, download them with "
-                    f"`hf download {self.settings.model}`, or pass --model /path/to/local/folder. "
-                    "Without --require-model the app serves a tiny offline model instead."
-                ) from e
-            self.fallback = reason
-            if ahead is not None:
-                ahead.close()
-            log.warning("%s. Serving the TINY OFFLINE MODEL instead: answers will be gibberish.", reason)
-            if not (TINY_DIR / "model.safetensors").exists():
-                tiny.build(TINY_DIR)
-            self._load(str(TINY_DIR))
-        self.settled, self._exiting = threading.Event(), threading.Event()
-        self._settler = threading.Thread(target=self._settle, name="settle", daemon=True)
-        _OPEN.add(self)  # before the thread starts: a process may exit at any time after
-        self._settler.start()
+        self._ahead, self._loader, self._settler = ahead, None, None
         limit = kv.parse_limit(self.settings.kv_memory)
         self.kv = kv.Store(limit) if limit else None
         size = self.settings.feature_cache_size
         on = size == "auto" or parse_size(size) > 0
         self.features = features.FeatureStore(os.path.join(self.settings.cache_dir, "features"), size) if on else None
+        _OPEN.add(self)  # before any thread starts: a process may exit at any time after
+        try:
+            self._find(self.settings.model)
+        except Exception as e:  # hub unreachable, folder missing, wrong checkpoint: all end in the same fallback
+            self._fall_back(e)
+            return
+        if background:
+            self._loader = threading.Thread(target=self._load_in_background, name="load", daemon=True)
+            self._loader.start()
+        else:
+            try:
+                self._load()
+            except Exception as e:
+                self._fall_back(e)
 
-    def _load(self, source: str, ahead: modelcache.Reader | None = None):
+    def _find(self, source: str):
+        """The checkpoint's folder, processor and configuration: what describes the model before its weights."""
         self.folder = _local_copy(source)
         self.processor = ImageOnlyProcessor.from_pretrained(self.folder, backend="pil")
-        weights = modelcache.weights_version(self.folder)
-        store = self.settings.model_cache_dir if self.settings.model_cache else None
-        self.model, self.precision = modelcache.load(self.folder, self.settings.quant, weights, store, ahead)
+        self.weights = modelcache.weights_version(self.folder)
+        self.precision = quant.describe(quant.resolve(self.settings.quant))
         self.model_id = source
-        limit = self.model.config.text_config.max_position_embeddings
+        limit = AutoConfig.from_pretrained(self.folder).text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context, limit)
         # What makes this engine's answers what they are; part of every answer-cache key. The context limit is in
         # it because near the limit it shortens the answer.
-        self.identity = f"{source}@{weights}|{self.precision}|ctx{self.max_context}"
+        self.identity = f"{source}@{self.weights}|{self.precision}|ctx{self.max_context}"
+
+    def _load(self):
+        store = self.settings.model_cache_dir if self.settings.model_cache else None
+        self.model, self.precision = modelcache.load(self.folder, self.settings.quant, self.weights, store, self._ahead)
+        self._ahead = None  # read: its packed weights are the model's now
+        self._settler = threading.Thread(target=self._settle, name="settle", daemon=True)
+        self._settler.start()
+        self.loaded.set()
+
+    def _load_in_background(self):
+        try:
+            self._load()
+        except Exception as e:
+            if self._exiting.is_set():  # closed at exit: the read-ahead it was taking from was stopped
+                return
+            try:
+                self._fall_back(e)
+            except Exception as failure:  # ModelUnavailable (--require-model), or not even the tiny model loads
+                # The page is already served, and a server without a model serves nobody.
+                log.error("%s", failure)
+                logging.shutdown()
+                os._exit(1)
+
+    def _fall_back(self, error: Exception):
+        """Serve the tiny model because the real one could not be loaded, or raise ModelUnavailable with
+        --require-model."""
+        reason = f"could not load {self.settings.model!r}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        if self.settings.require_model:
+            raise ModelUnavailable(
+                f"{reason}\nFixes: connect to the internet so the weights can download, download them with "
+                f"`hf download {self.settings.model}`, or pass --model /path/to/local/folder. "
+                "Without --require-model the app serves a tiny offline model instead."
+            ) from error
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
+        log.warning("%s. Serving the TINY OFFLINE MODEL instead: answers will be gibberish.", reason)
+        self.fallback = reason
+        if not (TINY_DIR / "model.safetensors").exists():
+            tiny.build(TINY_DIR)
+        self._find(str(TINY_DIR))
+        self._load()
 
     def _settle(self):
         """Repack, in the background, the int8 linears that a start from the model cache packed in pieces (quick to
@@ -150,14 +193,23 @@ class Engine:
         self.settled.set()
 
     def close(self):
-        """At exit: stop settling and warming up, and wait for the torch call in flight in their threads (a repack
-        takes a second at most, a warm-up ends at its next step). Daemon threads are cut off when the interpreter
-        finalizes, and one that comes back from torch then aborts the process ("terminate called without an
-        active exception", exit code 134). Answers in flight need nothing: they run in executor threads, which
-        Python lets finish their step before it finalizes."""
+        """At exit: stop loading, settling and warming up, and wait for the torch call in flight in their threads (a
+        repack takes a second at most, a warm-up ends at its next step). Daemon threads are cut off when the
+        interpreter finalizes, and one that comes back from torch then aborts the process ("terminate called without
+        an active exception", exit code 134). Answers in flight need nothing: they run in executor threads, which
+        Python lets finish their step before it finalizes. A load still running after a few seconds (converting, or
+        reading fp32 weights, has no point to stop at) ends with the process, which then exits at once."""
         self._exiting.set()
         self._stop.set()
-        if self._settler.is_alive():
+        if self._loader is not None and self._loader.is_alive():
+            if self._ahead is not None:
+                self._ahead.close()  # the load taking from it stops at its next linear
+            self._loader.join(timeout=5)
+            if self._loader.is_alive():
+                log.info("exiting while the model loads")
+                logging.shutdown()
+                os._exit(0)
+        if self._settler is not None and self._settler.is_alive():
             self._settler.join()
         with self._warming:
             pass
@@ -193,6 +245,8 @@ class Engine:
         back by 10-25 s on 2 cores, to keep a prefix that only that example's click reuses."""
         with self._warming:
             try:
+                if not self._wait_loaded():
+                    return
                 params = replace(self.settings.gen, max_new_tokens=2, min_new_tokens=0, greedy=True)
                 if pictures and self.features is not None and not self._exiting.is_set():
                     inputs, _ = self._inputs([Turn("user", question, tuple(pictures))], params)
@@ -206,6 +260,15 @@ class Engine:
                 log.exception("warming up failed; the first request will pay for it")
             finally:
                 self.ready.set()
+                if not self._exiting.is_set():
+                    log.info("the model is loaded and warmed up: answering")
+
+    def _wait_loaded(self) -> bool:
+        """Until the weights are in (at once unless they load in the background); False if the process exits first."""
+        while not self.loaded.wait(0.5):
+            if self._exiting.is_set():
+                return False
+        return True
 
     def chat(self, turns: list[Turn], params: GenParams | None = None) -> Iterator[str | Stats]:
         """Answer the conversation: yield text pieces as they are generated, then one Stats.
@@ -214,6 +277,9 @@ class Engine:
         """
         params = params or self.settings.gen
         start = time.perf_counter()
+        # Before the prompt is made: a load that fails in the background falls back to another model and processor.
+        if not self._wait_loaded():
+            raise RuntimeError("the server is shutting down")
         inputs, image_tokens = self._inputs(turns, params)
         prompt_tokens = inputs["input_ids"].shape[1]
         budget = self.max_context - prompt_tokens

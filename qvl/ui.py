@@ -77,7 +77,7 @@ def build(answerer: Answerer, settings) -> gr.Blocks:
     with gr.Blocks(title="qvl: chat about images on a CPU", delete_cache=(min(3600.0, keep_s), keep_s)) as demo:
         conversation = gr.State([])
         gr.Markdown(I18N("title"))
-        gr.Markdown(I18N("fallback"), visible=bool(engine.fallback), elem_id="fallback")
+        fallback = gr.Markdown(I18N("fallback"), visible=bool(engine.fallback), elem_id="fallback")
         warming = gr.Markdown(I18N("warming"), visible=not engine.ready.is_set(), elem_id="warming")
         # Checks once a second until the engine is warm, then stops: an idle page costs the server nothing.
         ticking = gr.Timer(1.0, active=not engine.ready.is_set())
@@ -98,10 +98,11 @@ def build(answerer: Answerer, settings) -> gr.Blocks:
 
         demo.load(in_their_language, None, chatbot, api_visibility="private")
 
-        def warm() -> tuple:
+        def warm() -> tuple:  # a load that fails in the background falls back before the engine is ready
             ready = engine.ready.is_set()
-            return gr.Markdown(visible=not ready), gr.Timer(active=not ready)
+            fell_back = bool(engine.fallback)
+            return gr.Markdown(visible=fell_back), gr.Markdown(visible=not ready), gr.Timer(active=not ready)
 
-        demo.load(warm, None, [warming, ticking], api_visibility="private")
-        ticking.tick(warm, None, [warming, ticking], api_visibility="private")
+        demo.load(warm, None, [fallback, warming, ticking], api_visibility="private")
+        ticking.tick(warm, None, [fallback, warming, ticking], api_visibility="private")
     return demo

@@ -9,6 +9,7 @@ from gradio_client.exceptions import AppError
 from qvl import settings, stress
 from qvl.engine import Engine
 from qvl.ui import ASSETS
+from test_engine import broken_copy
 
 CHART = str(ASSETS / "chart.png")
 
@@ -144,7 +145,7 @@ def test_the_api_names_its_two_endpoints_and_nothing_of_the_page(app):
 
 def test_the_start_up_log_names_the_apps_own_flags(app):
     log = app.log.read_text()
-    assert f"qvl is ready: open http://127.0.0.1:{app.port}" in log
+    assert f"qvl is up: open http://127.0.0.1:{app.port}" in log
     assert "start with --share" in log and "share=True" not in log
 
 
@@ -230,3 +231,16 @@ def test_a_missing_model_folder_stops_a_require_model_app_with_the_fixes(tmp_pat
     with pytest.raises(RuntimeError) as failed:
         stress.launch(missing, tmp_path, "--quant", "int8", "--require-model", "--model-cache-dir", str(tmp_path))
     assert "exited with 1" in str(failed.value) and "Fixes:" in str(failed.value), str(failed.value)[-2000:]
+
+
+def test_weights_that_fail_to_load_after_the_page_is_up_stop_a_require_model_app_with_the_fixes(tiny_dir, tmp_path):
+    # The checkpoint is found (the page goes up while its weights load), and only its weights file is broken.
+    broken = str(broken_copy(tiny_dir, tmp_path / "broken"))
+    try:
+        server = stress.launch(broken, tmp_path, "--require-model")
+    except RuntimeError as e:  # it failed before its page was up
+        failed = str(e)
+    else:
+        server.proc.wait(timeout=120)
+        failed = f"app.py exited with {server.proc.returncode}:\n{server.log.read_text()}"
+    assert "exited with 1" in failed and "Fixes:" in failed and broken in failed, failed[-2000:]

@@ -249,3 +249,16 @@ def test_a_conversation_the_server_forgot_says_so_and_starts_over(browser, launc
         users = page.locator('#chatbot [data-testid="user"]').all_inner_texts()
         assert [u.strip() for u in users] == ["Second question?"]
         assert "total" in answer(page)
+
+
+def test_a_fallback_after_the_page_is_up_raises_its_banner(browser, make_engine, tmp_path):
+    # Weights that fail to load in the background fall back to the tiny model after the page was built.
+    engine = make_engine()
+    with serving(engine, tmp_path) as url:
+        page = open_page(browser, type("App", (), {"url": url}))
+        page.wait_for_selector("#warming", state="visible")
+        assert not page.locator("#fallback").is_visible()
+        engine.fallback = "could not load 'Qwen/Qwen3-VL-2B-Instruct': SafetensorError: incomplete metadata"
+        page.wait_for_selector("#fallback", state="visible")
+        engine.ready.set()
+        page.wait_for_selector("#warming", state="hidden")

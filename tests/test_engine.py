@@ -1,12 +1,14 @@
 """The engine: streaming answers about images, budgets, limits, stop and threads, on the tiny model."""
+import shutil
 import threading
+import time
 from dataclasses import replace
 
 import pytest
 import torch
 from PIL import Image
 
-from qvl import images, settings
+from qvl import images, modelcache, settings
 from qvl.engine import Engine, ModelUnavailable, Stats, Turn
 from qvl.images import InputError
 
@@ -196,3 +198,69 @@ def test_an_exit_while_warming_up_waits_for_the_step_in_flight_instead_of_aborti
     child = python_child(EXIT_WHILE_WARMING, tiny_dir, tmp_path)
     assert "warming at exit: True" in child.stdout, child.stderr[-2000:]
     assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-2000:]
+
+
+def broken_copy(tiny_dir, folder):
+    """The tiny checkpoint with its weights file cut short: found at once, failing only once its weights load."""
+    shutil.copytree(tiny_dir, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    return folder
+
+
+def test_a_background_engine_is_described_at_once_and_answers_once_its_weights_are_in(tiny_dir, engine, monkeypatch):
+    release, real = threading.Event(), modelcache.load
+    monkeypatch.setattr(modelcache, "load", lambda *a: release.wait() and real(*a))
+    late = Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache", "--kv-memory", "0",
+                                  "--feature-cache-size", "0"], env={}), background=True)
+    assert not late.loaded.is_set() and not hasattr(late, "model")
+    assert (late.identity, late.precision, late.max_context) == (engine.identity, engine.precision, engine.max_context)
+    turns, answers = [Turn("user", "What is in this picture?", (picture(),))], []
+    asking = threading.Thread(target=lambda: answers.append(run(late, turns)))
+    asking.start()
+    asking.join(1.0)
+    assert asking.is_alive() and not answers  # the question waits for the weights
+    release.set()
+    asking.join(60)
+    assert late.loaded.is_set() and "".join(answers[0][0]) == "".join(run(engine, turns)[0])
+
+
+def test_weights_that_fail_to_load_in_the_background_fall_back_to_the_tiny_model(tiny_dir, tmp_path, monkeypatch,
+                                                                               caplog):
+    monkeypatch.setattr("qvl.engine.TINY_DIR", tmp_path / "tiny")
+    broken = str(broken_copy(tiny_dir, tmp_path / "broken"))
+    late = Engine(settings.parse(["--model", broken, "--quant", "fp32", "--no-cache"], env={}), background=True)
+    assert late._wait_loaded() and late.fallback and broken in late.fallback
+    assert late.model_id == str(tmp_path / "tiny") and "TINY OFFLINE MODEL" in caplog.text
+    assert run(late, [Turn("user", "Hello?")])[1].new_tokens == 24
+
+
+BACKGROUND = """
+import logging, sys, time, torch
+from qvl import modelcache, settings
+from qvl.engine import Engine
+logging.basicConfig(level=logging.INFO)  # as the app logs
+if sys.argv[3] == "slow":  # a load that spends its time inside torch, op after op, with no point to stop at
+    big = torch.ones(800, 800)
+    modelcache.load = lambda *a: [big @ big for _ in range(100000)]
+engine = Engine(settings.parse(["--model", sys.argv[1], "--quant", "fp32", "--no-cache", "--cache-dir", sys.argv[2],
+                                *sys.argv[4:]], env={}), background=True)
+time.sleep(0.5 if sys.argv[3] == "slow" else 30)
+print("loaded at exit:", engine.loaded.is_set())
+"""
+
+
+def test_an_exit_while_the_weights_load_in_the_background_is_clean_and_prompt(tiny_dir, tmp_path, python_child):
+    started = time.monotonic()
+    child = python_child(BACKGROUND, tiny_dir, tmp_path, "slow")
+    assert "loaded at exit: False" in child.stdout, child.stderr[-2000:]
+    assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-2000:]
+    assert "exiting while the model loads" in child.stderr and time.monotonic() - started < 60
+
+
+def test_require_model_ends_the_process_when_its_weights_fail_to_load_in_the_background(tiny_dir, tmp_path,
+                                                                                       python_child):
+    broken = broken_copy(tiny_dir, tmp_path / "broken")
+    child = python_child(BACKGROUND, broken, tmp_path, "broken", "--require-model")
+    assert child.returncode == 1 and "loaded at exit" not in child.stdout, child.stderr[-2000:]
+    assert "Fixes:" in child.stderr and str(broken) in child.stderr
