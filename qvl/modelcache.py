@@ -118,6 +118,7 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
         except Exception as e:  # anything amiss with the file means only that it must be built again
             log.warning("ignoring the model cache file %s (%s: %s); converting the checkpoint again",
                         file, type(e).__name__, str(e)[:200])
+    log.info("converting the checkpoint to %s: minutes on a few cores, once (later starts read %s)", mode, file)
     model, precision = quant.load_model(source, mode)
     try:
         _write(file, model, want)

@@ -46,6 +46,7 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
     first = _start(tiny_dir, mode, *store)
     [name] = _files(tmp_path / "models")
     assert len(converting) == 1 and name.startswith(f"{mode}-") and name.endswith(".safetensors")
+    assert f"converting the checkpoint to {mode}" in caplog.text  # the minutes of a first start are announced
     second = _start(tiny_dir, mode, *store)
     assert len(converting) == 1 and "from the model cache" in caplog.text  # read, not converted
     assert second.precision == first.precision and second.identity == first.identity
