@@ -29,6 +29,7 @@ from qvl.line import Busy, Taken
 
 FETCH_S = 10.0  # a whole image download, redirects included
 REDIRECTS = 3
+RETRY_AFTER_S = 5  # while the model loads and warms up: seconds on a second start, minutes on a first
 
 
 class Refused(Exception):
@@ -156,7 +157,10 @@ def failure(lang: str, e: Exception) -> JSONResponse:
     """The error response for an exception, with the wording the page would show (answers.problem logs it)."""
     if isinstance(e, Refused):
         kind = "authentication_error" if e.status == 401 else "service_unavailable"
-        return error(e.status, texts.say(lang, e.key), kind)
+        refused = error(e.status, texts.say(lang, e.key), kind)
+        if e.status == 503:  # OpenAI's clients wait this long before they retry, instead of their own backoff
+            refused.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return refused
     message = answers.problem(lang, e)
     if isinstance(e, InputError):
         return error(400, message, "invalid_request_error",

@@ -75,7 +75,7 @@ TEXT = {
         "picture": "image", "pictures": "images",
         # The OpenAI-compatible API's own refusals.
         "api_key": "A valid API key is required: send it as the header 'Authorization: Bearer <key>'.",
-        "not_ready": "The model is still warming up; please try again in a few seconds.",
+        "not_ready": "The model is still loading or warming up; please try again shortly (Retry-After says when).",
         "bad_field": "The request's '{field}' is missing or not valid.",
         "image_url_off": "This server does not download images from links; send the image itself as a data: URL "
                          "(data:image/png;base64,…).",
@@ -150,7 +150,7 @@ TEXT = {
         "image_share": "（其中 {tokens} 个用于 {count} 张{pictures}）",
         "picture": "图片", "pictures": "图片",
         "api_key": "需要有效的 API 密钥：请在请求头中发送 'Authorization: Bearer <密钥>'。",
-        "not_ready": "模型仍在预热，请几秒后再试。",
+        "not_ready": "模型仍在加载或预热，请稍后再试（Retry-After 给出等待秒数）。",
         "bad_field": "请求中的 '{field}' 缺失或无效。",
         "image_url_off": "本服务器不从链接下载图片；请把图片本身作为 data: URL 发送（data:image/png;base64,…）。",
         "image_url_blocked": "{host} 是本地或内网地址；只从公网地址下载图片。",

@@ -190,9 +190,19 @@ def test_while_warming_up_the_api_says_503(make_engine, tmp_path):
     with serving(make_engine(), tmp_path) as url:  # a fresh engine: warm_up never ran
         client = openai.OpenAI(base_url=url + "v1", api_key="-", max_retries=0,
                                default_headers={"Accept-Language": "zh-CN"})
-        with pytest.raises(openai.InternalServerError, match="模型仍在预热") as refused:
+        with pytest.raises(openai.InternalServerError, match="模型仍在加载或预热") as refused:
             client.chat.completions.create(model="qvl", messages=[{"role": "user", "content": "Hi"}])
-        assert refused.value.status_code == 503
+        assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "5"
+
+
+def test_a_client_with_retries_waits_out_the_warm_up(make_engine, tmp_path):
+    engine = make_engine()
+    with serving(engine, tmp_path) as url:
+        client = openai.OpenAI(base_url=url + "v1", api_key="-", max_retries=2)
+        threading.Timer(1.0, engine.warm_up, ([], "Hi")).start()  # ready a second after the first try
+        started = time.monotonic()
+        reply = client.chat.completions.create(model="qvl", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        assert reply.usage.completion_tokens == 2 and time.monotonic() - started >= 4.5  # it waited Retry-After
 
 
 def test_with_auth_each_user_is_a_key_and_links_are_refused_by_default(engine, tmp_path):
