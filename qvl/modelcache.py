@@ -35,6 +35,7 @@ import os
 import threading
 import weakref
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -44,6 +45,9 @@ from qvl import heap, quant
 
 log = logging.getLogger("qvl")
 
+# A module in more pieces than this (over half a second of packing on one core here) is packed by all the reader's
+# workers at once; smaller ones are packed one per worker (more threads would only take cores from the imports).
+MANY_PIECES = 12
 LAYOUT = "2"  # what is stored for each module: change it whenever that changes, so older files are rebuilt
 _NAMES = {dtype: name for name, dtype in quant.DTYPES.items()}
 
@@ -265,7 +269,7 @@ class Reader:
                 return
             owner = name.rpartition(".")[0]
             if owner != module and pending:
-                yield module, functools.partial(_fbgemm, pending, module)
+                yield module, functools.partial(_fbgemm, pending, module, self._workers or torch.get_num_threads())
                 pending = {}
             module = owner
             if tensor is None:
@@ -319,8 +323,14 @@ def _linear(reader: Reader, prefix: str, out_features: int) -> nn.Module:
                             prefill)
 
 
-def _fbgemm(tensors: dict, prefix: str) -> nn.Module:
+def _fbgemm(tensors: dict, prefix: str, workers: int) -> nn.Module:
     weight = quant.per_channel_qint8(
         tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.zero_point"))
+    bias = tensors.pop(f"{prefix}.bias", None)
     # In pieces, which fbgemm packs faster; the engine settles them into whole linears once it is serving.
-    return quant.Int8Linear(weight, tensors.pop(f"{prefix}.bias", None), rows=max(1, quant.PIECE // weight.shape[1]))
+    rows = max(1, quant.PIECE // weight.shape[1])
+    if weight.shape[0] <= rows * MANY_PIECES:  # the modules packed beside it keep the other cores busy
+        return quant.Int8Linear(weight, bias, rows=rows)
+    # The 2B's head, 75 pieces and last in the file, was the last ~3 s of a start on one core, the other one idle.
+    with ThreadPoolExecutor(workers, thread_name_prefix="pack") as pool:
+        return quant.Int8Linear(weight, bias, rows=rows, pack=pool.map)

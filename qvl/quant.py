@@ -146,13 +146,13 @@ class Int8Linear(nn.Module):
     scale, and each output channel is computed on its own.
     """
 
-    def __init__(self, qweight: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None):
+    def __init__(self, qweight: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None, pack=map):
+        """pack: map, or a pool's map to pack the pieces side by side."""
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.rows = min(rows or self.out_features, self.out_features)  # in each loaded piece (the last may have fewer)
         # Packed without the bias, which is added after the rows are scaled back.
-        self.parts = [torch.ops.quantized.linear_prepack(qweight[i:i + self.rows], None)
-                      for i in range(0, self.out_features, self.rows)]
+        self.parts = list(pack(_pack, [qweight[i:i + self.rows] for i in range(0, self.out_features, self.rows)]))
         self.merged = 0  # leading parts that settle() has made, or found, final
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
@@ -167,7 +167,7 @@ class Int8Linear(nn.Module):
             start, self.merged = self.merged, self.merged + 1
             group = self.parts[start:start + run]
             if len(group) > 1:
-                merged = torch.ops.quantized.linear_prepack(_unpack(group), None)
+                merged = _pack(_unpack(group))
                 # One assignment: a call in flight keeps the list it read, which computes the same numbers.
                 self.parts = [*self.parts[:start], merged, *self.parts[start + run:]]
                 return True
@@ -190,6 +190,10 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"pieces={len(self.parts)}")
+
+
+def _pack(qweight: torch.Tensor):
+    return torch.ops.quantized.linear_prepack(qweight, None)
 
 
 def _unpack(parts: list) -> torch.Tensor:

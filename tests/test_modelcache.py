@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -79,6 +80,18 @@ def test_a_start_handed_the_read_ahead_assembles_from_it_and_answers_the_same(ti
     assert packers == [1]  # the engine's threads, not every core torch sees before the engine sets them
     engine = Engine(_settings(tiny_dir, mode, *store), ahead)
     assert readers == [ahead] and set(taken) == {ahead}  # the stored file was read once, by the reader handed over
+    assert _answer(engine) == want
+
+
+def test_a_module_in_many_pieces_is_packed_by_every_worker_and_answers_the_same(tiny_dir, tmp_path, monkeypatch):
+    store = ["--model-cache-dir", str(tmp_path)]
+    want = _answer(_start(tiny_dir, "int8", *store))
+    monkeypatch.setattr(quant, "PIECE", 64 * 8)  # the tiny model's linears are small: pieces of a few rows
+    monkeypatch.setattr(modelcache, "MANY_PIECES", 4)
+    packed, real = [], quant._pack
+    monkeypatch.setattr(quant, "_pack", lambda w: packed.append(threading.current_thread().name) or real(w))
+    engine = _start(tiny_dir, "int8", "--threads", "2", *store)
+    assert any(name.startswith("pack") for name in packed) and any(name.startswith("convert") for name in packed)
     assert _answer(engine) == want
 
 
