@@ -1,5 +1,6 @@
 """Chat about images with Qwen3-VL on a CPU: `python app.py` (flags: `python app.py --help`, or QVL_* env vars)."""
 import logging
+import os
 import signal
 import threading
 
@@ -36,7 +37,11 @@ def main():
     try:
         serve(engine, config)
     finally:
-        engine.close()  # before the interpreter stops the thread pools that a background load may be using
+        stopped = engine.close()  # before the interpreter stops the thread pools that a background load may use
+    if not stopped:  # Ctrl+C or SIGTERM while the weights load: nothing to save, and no point to stop the load at
+        log.info("exiting while the model loads")
+        logging.shutdown()
+        os._exit(0)
 
 
 def serve(engine, config):

@@ -192,13 +192,15 @@ class Engine:
             worker.join()
         self.settled.set()
 
-    def close(self):
+    def close(self) -> bool:
         """At exit: stop loading, settling and warming up, and wait for the torch call in flight in their threads (a
         repack takes a second at most, a warm-up ends at its next step). Daemon threads are cut off when the
         interpreter finalizes, and one that comes back from torch then aborts the process ("terminate called without
         an active exception", exit code 134). Answers in flight need nothing: they run in executor threads, which
-        Python lets finish their step before it finalizes. A load still running after a few seconds (converting, or
-        reading fp32 weights, has no point to stop at) ends with the process, which then exits at once."""
+        Python lets finish their step before it finalizes.
+
+        False when a background load is still running after a few seconds (converting, or reading fp32 weights, has
+        no point to stop at): only ending the process at once (os._exit) then exits cleanly."""
         self._exiting.set()
         self._stop.set()
         if self._loader is not None and self._loader.is_alive():
@@ -206,13 +208,12 @@ class Engine:
                 self._ahead.close()  # the load taking from it stops at its next linear
             self._loader.join(timeout=5)
             if self._loader.is_alive():
-                log.info("exiting while the model loads")
-                logging.shutdown()
-                os._exit(0)
+                return False
         if self._settler is not None and self._settler.is_alive():
             self._settler.join()
         with self._warming:
             pass
+        return True
 
     def set_threads(self, n: int):
         """Intra-op threads, applied from the next request on."""

@@ -57,9 +57,10 @@ class RemoteEngine:
     def forget(self):
         """Nothing is kept here to forget."""
 
-    def close(self):
+    def close(self) -> bool:
         """At exit: the connections to the backend."""
         self.http.close()
+        return True
 
     def warm_up(self, pictures: list, question: str):
         """Learn the backend's model name if it was not given; then ready, even if the backend is down (each request

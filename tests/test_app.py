@@ -244,3 +244,40 @@ def test_weights_that_fail_to_load_after_the_page_is_up_stop_a_require_model_app
         server.proc.wait(timeout=120)
         failed = f"app.py exited with {server.proc.returncode}:\n{server.log.read_text()}"
     assert "exited with 1" in failed and "Fixes:" in failed and broken in failed, failed[-2000:]
+
+
+STOPPED_WHILE_LOADING = """
+import os, signal, sys, threading, time
+import httpx, torch
+from qvl import modelcache
+big = torch.ones(800, 800)
+modelcache.load = lambda *a: [big @ big for _ in range(100000)]  # a load inside torch, op after op: minutes
+import app
+url = f"http://127.0.0.1:{sys.argv[3]}/"
+
+def stop_once_the_page_serves():
+    while True:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    body = {"model": "qvl", "messages": [{"role": "user", "content": "Hi"}]}
+    refused = httpx.post(url + "v1/chat/completions", json=body, timeout=30).status_code
+    print("page served, API while loading:", refused, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=stop_once_the_page_serves, daemon=True).start()
+sys.argv = ["app.py", "--model", sys.argv[1], "--quant", "fp32", "--no-cache", "--cache-dir", sys.argv[2],
+            "--port", sys.argv[3]]
+app.main()
+"""
+
+
+def test_an_app_stopped_while_its_weights_load_exits_at_once_and_cleanly(tiny_dir, tmp_path, python_child):
+    # SIGTERM (or Ctrl+C) during a first start's minutes of converting: the load has no point to stop at.
+    started = time.monotonic()
+    child = python_child(STOPPED_WHILE_LOADING, tiny_dir, tmp_path, stress.free_port())
+    assert "page served, API while loading: 503" in child.stdout, child.stderr[-3000:]
+    assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-3000:]
+    assert "exiting while the model loads" in child.stderr and time.monotonic() - started < 90

@@ -218,9 +218,11 @@ def test_a_background_engine_is_described_at_once_and_answers_once_its_weights_a
     turns, answers = [Turn("user", "What is in this picture?", (picture(),))], []
     asking = threading.Thread(target=lambda: answers.append(run(late, turns)))
     asking.start()
-    asking.join(1.0)
-    assert asking.is_alive() and not answers  # the question waits for the weights
-    release.set()
+    try:
+        asking.join(1.0)
+        assert asking.is_alive() and not answers  # the question waits for the weights
+    finally:
+        release.set()
     asking.join(60)
     assert late.loaded.is_set() and "".join(answers[0][0]) == "".join(run(engine, turns)[0])
 
@@ -236,31 +238,20 @@ def test_weights_that_fail_to_load_in_the_background_fall_back_to_the_tiny_model
 
 
 BACKGROUND = """
-import logging, sys, time, torch
-from qvl import modelcache, settings
+import logging, sys, time
+from qvl import settings
 from qvl.engine import Engine
 logging.basicConfig(level=logging.INFO)  # as the app logs
-if sys.argv[3] == "slow":  # a load that spends its time inside torch, op after op, with no point to stop at
-    big = torch.ones(800, 800)
-    modelcache.load = lambda *a: [big @ big for _ in range(100000)]
 engine = Engine(settings.parse(["--model", sys.argv[1], "--quant", "fp32", "--no-cache", "--cache-dir", sys.argv[2],
-                                *sys.argv[4:]], env={}), background=True)
-time.sleep(0.5 if sys.argv[3] == "slow" else 30)
-print("loaded at exit:", engine.loaded.is_set())
+                                *sys.argv[3:]], env={}), background=True)
+time.sleep(30)
+print("still running")
 """
-
-
-def test_an_exit_while_the_weights_load_in_the_background_is_clean_and_prompt(tiny_dir, tmp_path, python_child):
-    started = time.monotonic()
-    child = python_child(BACKGROUND, tiny_dir, tmp_path, "slow")
-    assert "loaded at exit: False" in child.stdout, child.stderr[-2000:]
-    assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-2000:]
-    assert "exiting while the model loads" in child.stderr and time.monotonic() - started < 60
 
 
 def test_require_model_ends_the_process_when_its_weights_fail_to_load_in_the_background(tiny_dir, tmp_path,
                                                                                        python_child):
     broken = broken_copy(tiny_dir, tmp_path / "broken")
-    child = python_child(BACKGROUND, broken, tmp_path, "broken", "--require-model")
-    assert child.returncode == 1 and "loaded at exit" not in child.stdout, child.stderr[-2000:]
+    child = python_child(BACKGROUND, broken, tmp_path, "--require-model")
+    assert child.returncode == 1 and "still running" not in child.stdout, child.stderr[-2000:]
     assert "Fixes:" in child.stderr and str(broken) in child.stderr
