@@ -126,7 +126,8 @@ class Engine:
 
     def _load(self):
         store = self.settings.model_cache_dir if self.settings.model_cache else None
-        self.model, self.precision = modelcache.load(self.folder, self.settings.quant, self.weights, store, self._ahead)
+        # The precision it returns is the one _find described.
+        self.model, _ = modelcache.load(self.folder, self.settings.quant, self.weights, store, self._ahead)
         self._ahead = None  # read: its packed weights are the model's now
         self._settler = threading.Thread(target=self._settle, name="settle", daemon=True)
         self._settler.start()

@@ -209,7 +209,7 @@ class Reader:
     """
 
     def __init__(self, file: Path, want: dict, workers: int | None = None):
-        self.file, self._workers = file, workers
+        self.file, self._workers = file, workers or torch.get_num_threads()
         with open(file, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         self._metadata = header.pop("__metadata__", {})
@@ -269,7 +269,7 @@ class Reader:
                 return
             owner = name.rpartition(".")[0]
             if owner != module and pending:
-                yield module, functools.partial(_fbgemm, pending, module, self._workers or torch.get_num_threads())
+                yield module, functools.partial(_fbgemm, pending, module, self._workers)
                 pending = {}
             module = owner
             if tensor is None:

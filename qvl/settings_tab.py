@@ -75,7 +75,9 @@ def wire(parts: dict, tab: gr.Tab, demo: gr.Blocks, engine, cache, settings):
         model = engine.model_id if operator or not Path(engine.model_id).is_absolute() else Path(engine.model_id).name
         rows = [("fact_model", f"`{model}`"), ("fact_precision", engine.precision if operator else
                                                engine.precision.split(":")[0]),
-                ("fact_threads", threads), ("fact_cpu", " · ".join(filter(None, (cpu.model_name(), cpu.core(), flags)))), ("fact_versions", versions)]
+                ("fact_threads", threads),
+                ("fact_cpu", " · ".join(filter(None, (cpu.model_name(), cpu.core(), flags)))),
+                ("fact_versions", versions)]
         if operator:
             rows.append(("fact_cache_dir", f"`{cache.directory}`"))
             if engine.fallback:
