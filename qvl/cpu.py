@@ -1,6 +1,7 @@
 """What CPU this process really runs on: usable cores and the instruction sets that pick kernels."""
 import os
 import platform
+import threading
 from functools import cache
 from pathlib import Path
 
@@ -28,6 +29,20 @@ def _cgroup_quota(root: Path) -> float | None:
     if quota in ("max", "-1"):
         return None
     return max(1.0, int(quota) / int(period))
+
+
+
+def background(lower: int = 10):
+    """Lower the calling thread's scheduling priority by `lower` (Linux keeps one per thread), so that work that can
+    wait (packing weights, repacking them) gives the cores to the work someone waits for (imports and the page while
+    the model loads, a request once it is up). Where threads have no priority of their own, nothing changes."""
+    if not (hasattr(os, "setpriority") and platform.system() == "Linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + lower))
+    except OSError:
+        pass
 
 
 # AMD (family, first model, last model, core): cloud VMs often name the CPU only "AMD EPYC", and this project's dev VMs

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-from qvl import conversation, features, generate, heap, images, kv, modelcache, quant, texts, tiny
+from qvl import conversation, cpu, features, generate, heap, images, kv, modelcache, quant, texts, tiny
 from qvl.cache import parse_size
 from qvl.conversation import Stats, Turn
 from qvl.images import InputError
@@ -174,6 +174,7 @@ class Engine:
         linears = iter([m for m in self.model.modules() if isinstance(m, quant.Int8Linear)])
 
         def settle():  # as many of these as torch has threads: fbgemm packs in one thread with the GIL released
+            cpu.background()
             try:
                 for linear in linears:  # shared with the others: next() on a list iterator is atomic
                     while not self._exiting.is_set():

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qvl import heap, quant
+from qvl import cpu, heap, quant
 
 log = logging.getLogger("qvl")
 
@@ -246,6 +246,7 @@ class Reader:
             self._thread.join()
 
     def _run(self):
+        cpu.background()
         try:
             crc = [0]
             for name, linear in quant.side_by_side(self._modules(crc), self._workers):
@@ -332,5 +333,5 @@ def _fbgemm(tensors: dict, prefix: str, workers: int) -> nn.Module:
     if weight.shape[0] <= rows * MANY_PIECES:  # the modules packed beside it keep the other cores busy
         return quant.Int8Linear(weight, bias, rows=rows)
     # The 2B's head, 75 pieces and last in the file, was the last ~3 s of a start on one core, the other one idle.
-    with ThreadPoolExecutor(workers, thread_name_prefix="pack") as pool:
+    with ThreadPoolExecutor(workers, thread_name_prefix="pack", initializer=cpu.background) as pool:
         return quant.Int8Linear(weight, bias, rows=rows, pack=pool.map)

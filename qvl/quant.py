@@ -267,7 +267,7 @@ def side_by_side(jobs, workers: int | None = None):
     workers + 1 jobs are in flight, so that many layers' source tensors at most are held beside the model.
     """
     workers = workers or torch.get_num_threads()
-    with ThreadPoolExecutor(workers, thread_name_prefix="convert") as pool:
+    with ThreadPoolExecutor(workers, thread_name_prefix="convert", initializer=cpu.background) as pool:
         pending = collections.deque()
         for name, job in jobs:
             pending.append((name, pool.submit(job)))

@@ -95,6 +95,30 @@ def test_a_module_in_many_pieces_is_packed_by_every_worker_and_answers_the_same(
     assert _answer(engine) == want
 
 
+
+def _priority():
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux gives each thread a priority of its own")
+def test_the_weights_are_read_packed_and_repacked_below_the_priority_of_the_page_and_the_requests(
+        tiny_dir, tmp_path, monkeypatch):
+    store = ["--model-cache-dir", str(tmp_path)]
+    want = _answer(_start(tiny_dir, "int8", *store))
+    monkeypatch.setattr(quant, "PIECE", 64 * 8)  # pieces, so that every kind of packing thread has work
+    monkeypatch.setattr(modelcache, "MANY_PIECES", 4)
+    packs, reads, pack, file_tensors = [], [], quant._pack, quant.file_tensors
+    monkeypatch.setattr(quant, "_pack", lambda w: packs.append((threading.current_thread().name, _priority())) or
+                        pack(w))
+    monkeypatch.setattr(quant, "file_tensors", lambda file: reads.append(_priority()) or file_tensors(file))
+    engine = _start(tiny_dir, "int8", "--threads", "2", *store)
+    assert engine.settled.wait(60)
+    mine = _priority()  # the thread that builds the page and answers
+    assert {name.rstrip("_0123456789") for name, _ in packs} == {"convert", "pack", "settle"}
+    assert reads and all(priority > mine for priority in reads) and all(priority > mine for _, priority in packs)
+    assert _answer(engine) == want
+
+
 READ_AHEAD = """
 import sys, torch
 from qvl import modelcache, quant, settings
