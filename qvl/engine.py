@@ -64,8 +64,9 @@ class Engine:
     """Qwen3-VL loaded once; attributes model_id, folder, precision, identity, max_context describe it.
 
     loaded is set once the weights are in, ready once warm_up() has run (the app says it is warming up until then),
-    settled once the int8 linears that a start from the model cache packed in pieces are repacked (answers are the
-    same before). Kept conversations (kv) and the image-feature store (features) are None when switched off. close()
+    settled once the background work of a start is done: the model a first start converted is kept in the model
+    cache, or the int8 linears that a start from it packed in pieces are repacked (answers are the same before).
+    Kept conversations (kv) and the image-feature store (features) are None when switched off. close()
     runs at exit.
     """
 
@@ -78,6 +79,7 @@ class Engine:
         """
         self.settings = settings
         self.fallback: str | None = None  # why the tiny model serves instead of the real one
+        self._loading: tuple[str, float | None] = ("loading", None)  # what loading the weights does now: progress()
         # The inter-op pool is fixed by torch at its first parallel op, so it is set here, once, before loading.
         if torch.get_num_interop_threads() != self.settings.interop_threads:
             try:
@@ -127,9 +129,10 @@ class Engine:
     def _load(self):
         store = self.settings.model_cache_dir if self.settings.model_cache else None
         # The precision it returns is the one _find described.
-        self.model, _ = modelcache.load(self.folder, self.settings.quant, self.weights, store, self._ahead)
+        self.model, keep = modelcache.load(self.folder, self.settings.quant, self.weights, store, self._ahead,
+                                           self._report)
         self._ahead = None  # read: its packed weights are the model's now
-        self._settler = threading.Thread(target=self._settle, name="settle", daemon=True)
+        self._settler = threading.Thread(target=self._settle, args=(keep,), name="settle", daemon=True)
         self._settler.start()
         self.loaded.set()
 
@@ -167,10 +170,14 @@ class Engine:
         self._find(str(TINY_DIR))
         self._load()
 
-    def _settle(self):
-        """Repack, in the background, the int8 linears that a start from the model cache packed in pieces (quick to
-        pack, a few calls more per step) into fewer, a run of pieces at a time and not while a request runs; then
-        set settled."""
+    def _settle(self, keep):
+        """In the background, at a low priority, once the model is in: keep the model that a first start converted
+        (modelcache.load's keep, stopped at exit), and repack the int8 linears that a start from the model cache packed
+        in pieces (quick to pack, a few calls more per step) into fewer, a run of pieces at a time and not while a
+        request runs; then set settled."""
+        cpu.background()
+        if keep is not None:
+            keep(self._exiting)
         linears = iter([m for m in self.model.modules() if isinstance(m, quant.Int8Linear)])
 
         def settle():  # as many of these as torch has threads: fbgemm packs in one thread with the GIL released
@@ -265,6 +272,17 @@ class Engine:
                 self.ready.set()
                 if not self._exiting.is_set():
                     log.info("the model is loaded and warmed up: answering")
+
+    def _report(self, phase: str, done: float | None):
+        self._loading = (phase, done)
+
+    def progress(self) -> tuple[str, float | None] | None:
+        """What the start does until the engine answers, for the page's banner and the API's refusal: the weights'
+        phase ("reading" the model cache, "converting" the checkpoint on a first start, or "loading")
+        with the fraction done (None where unknown), then ("warming", None); None once ready."""
+        if self.ready.is_set():
+            return None
+        return ("warming", None) if self.loaded.is_set() else self._loading
 
     def _wait_loaded(self) -> bool:
         """Until the weights are in (at once unless they load in the background); False if the process exits first."""

@@ -103,33 +103,41 @@ def read_ahead(settings) -> "Reader | None":
         return None
 
 
-def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reader | None" = None):
-    """quant.load_model(source, mode), read from the model cache in folder when it holds this model (None: off),
-    through ahead when that is reading this model's file."""
+def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reader | None" = None,
+         report=quant.unreported):
+    """(model, keep): quant.load_model(source, mode, report)'s model, read from the model cache in folder when it
+    holds this model (None: off), through ahead when that is reading this model's file.
+
+    keep is None, or, after converting, keep(stop) writes the converted model to the model cache: fbgemm unpacks
+    every weight for it (a minute on 2 cores for the 2B), so the engine runs it once it serves; stop, a
+    threading.Event, ends it early without a file."""
     mode = quant.resolve(mode)
     file, want = (None, None) if folder is None else (path(folder, weights, mode), key(weights, mode))
     if ahead is not None and ahead.file != file:
         ahead.close()  # not what this start loads after all
         ahead = None
     if folder is None or mode in ("fp32", "bf16"):
-        return quant.load_model(source, mode)
+        return quant.load_model(source, mode, report)[0], None
     if file.exists():
         try:
-            model = _read(ahead or Reader(file, want), source)
+            model = _read(ahead or Reader(file, want), source, report)
             log.info("loaded the %s model from the model cache %s%s", mode, file,
                      " (read ahead, while the imports ran)" if ahead else "")
-            return model, quant.describe(mode)
+            return model, None
         except Exception as e:  # anything amiss with the file means only that it must be built again
             log.warning("ignoring the model cache file %s (%s: %s); converting the checkpoint again",
                         file, type(e).__name__, str(e)[:200])
     log.info("converting the checkpoint to %s: minutes on a few cores, once (later starts read %s)", mode, file)
-    model, precision = quant.load_model(source, mode)
-    try:
-        _write(file, model, want)
-        log.info("kept the converted %s model in %s (%.1f GB)", mode, file, file.stat().st_size / 1e9)
-    except OSError as e:
-        log.warning("could not keep the converted model in %s (%s); the next start converts again", folder, e)
-    return model, precision
+    model = quant.load_model(source, mode, report)[0]
+
+    def keep(stop: threading.Event):
+        try:
+            if _write(file, model, want, stop):
+                log.info("kept the converted %s model in %s (%.1f GB)", mode, file, file.stat().st_size / 1e9)
+        except Exception as e:  # disk full, read-only: only the kept copy is lost
+            log.warning("could not keep the converted model in %s (%s); the next start converts again", folder, e)
+
+    return model, keep
 
 
 def _sweep(file: Path):
@@ -145,28 +153,35 @@ def _sweep(file: Path):
             pass
 
 
-def _tensors(model: nn.Module):
-    """(name, tensor) for everything the converted model holds, in a form that load() can rebuild it from."""
+def _tensors(model: nn.Module, data: bool = True):
+    """(name, tensor) for everything the converted model holds, in a form that load() can rebuild it from; without
+    data, the int8 linears' tensors are stand-ins of their dtype and shape on the meta device (fbgemm unpacking the
+    weights is most of a write's time)."""
     for prefix, module in model.named_modules():
         if isinstance(module, quant.Int8Linear):
-            weight, bias = module.weight(), module.bias
-            yield f"{prefix}.qweight", weight.int_repr()
-            yield f"{prefix}.scale", weight.q_per_channel_scales()
-            yield f"{prefix}.zero_point", weight.q_per_channel_zero_points()
-            if bias is not None:
-                yield f"{prefix}.bias", bias.detach()
+            rows, shape = module.out_features, (module.out_features, module.in_features)
+            if data:
+                weight = module.weight()
+                parts = weight.int_repr(), weight.q_per_channel_scales(), weight.q_per_channel_zero_points()
+            else:  # the dtypes torch gives a per-channel qint8 tensor's parts
+                parts = [torch.empty(size, dtype=dtype, device="meta")
+                         for size, dtype in [(shape, torch.int8), (rows, torch.float64), (rows, torch.int64)]]
+            yield from zip([f"{prefix}.qweight", f"{prefix}.scale", f"{prefix}.zero_point"], parts)
+            if module.bias is not None:
+                yield f"{prefix}.bias", module.bias.detach()
             continue
         for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
             if tensor is not None:
                 yield f"{prefix}.{name}", tensor.detach()
 
 
-def _write(file: Path, model: nn.Module, want: dict):
-    """Write file atomically: a temporary file beside it, renamed over it only once complete and flushed."""
-    # Two passes over the model, for the header and then the data: fbgemm unpacks a copy of each weight, one at a
-    # time, so the write never holds a second copy of the model.
+def _write(file: Path, model: nn.Module, want: dict, stop: threading.Event | None = None) -> bool:
+    """Write file atomically: a temporary file beside it, renamed over it only once complete and flushed. False, and
+    no file, when stop is set before the end."""
+    # The header first, from the tensors' shapes; then the data, for which fbgemm unpacks a copy of each weight, one
+    # at a time, so the write never holds a second copy of the model.
     header, offset = {}, 0
-    for name, tensor in _tensors(model):
+    for name, tensor in _tensors(model, data=False):
         size = tensor.numel() * tensor.element_size()
         header[name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + size]}
@@ -181,7 +196,11 @@ def _write(file: Path, model: nn.Module, want: dict):
         with open(temporary, "wb") as f:
             f.write(len(text).to_bytes(8, "little") + text)
             crc = 0
-            for _, tensor in _tensors(model):
+            for name, tensor in _tensors(model):
+                if stop is not None and stop.is_set():
+                    return False
+                if (_NAMES[tensor.dtype], list(tensor.shape)) != (header[name]["dtype"], header[name]["shape"]):
+                    raise ValueError(f"{name} is not what the header says")
                 data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
                 crc = zlib.crc32(data, crc)
                 f.write(data)
@@ -190,6 +209,7 @@ def _write(file: Path, model: nn.Module, want: dict):
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, file)
+        return True
     finally:
         temporary.unlink(missing_ok=True)
 
@@ -287,14 +307,17 @@ class Reader:
             self._changed.notify_all()
 
 
-def _read(reader: Reader, source: str) -> nn.Module:
+def _read(reader: Reader, source: str, report=quant.unreported) -> nn.Module:
     """The model assembled from what reader reads; raises for a file that is spoiled or does not fit the model."""
     from qvl import lean
 
     try:
         model = quant.skeleton(source)
         lean.fuse(model, copy=False)
-        for prefix, module in list(model.named_modules()):
+        modules = list(model.named_modules())
+        sizes = [sum(p.numel() for p in module.parameters(recurse=False)) for _, module in modules]
+        total = sum(sizes)
+        for (prefix, module), done in zip(modules, itertools.accumulate(sizes)):
             if isinstance(module, nn.Linear):
                 quant.swap(model, prefix, _linear(reader, prefix, module.out_features))
             elif prefix == quant.EMBEDDING:
@@ -306,6 +329,7 @@ def _read(reader: Reader, source: str) -> nn.Module:
                         module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
                     else:
                         module._buffers[name] = tensor
+            report("reading", done / total)  # each module waited until the reader had it in, packed
         if left := reader.finish():
             raise ValueError(f"tensors this model does not have, e.g. {left[0]}")
     finally:

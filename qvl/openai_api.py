@@ -33,11 +33,15 @@ RETRY_AFTER_S = 5  # while the model loads and warms up: seconds on a second sta
 
 
 class Refused(Exception):
-    """A request refused before it is looked at: a missing key (401) or an engine still warming up (503)."""
+    """A request refused before it is looked at: a missing key (401) or an engine still warming up (503, saying what
+    the start does now: Engine.progress())."""
 
-    def __init__(self, status: int, key: str):
+    def __init__(self, status: int, key: str, progress: tuple | None = None):
         super().__init__(key)
-        self.status, self.key = status, key
+        self.status, self.key, self.progress = status, key, progress
+
+    def say(self, lang: str) -> str:
+        return texts.say(lang, self.key, now=self.progress and texts.starting(lang, self.progress))
 
 
 def public(address: str) -> bool:
@@ -157,7 +161,7 @@ def failure(lang: str, e: Exception) -> JSONResponse:
     """The error response for an exception, with the wording the page would show (answers.problem logs it)."""
     if isinstance(e, Refused):
         kind = "authentication_error" if e.status == 401 else "service_unavailable"
-        refused = error(e.status, texts.say(lang, e.key), kind)
+        refused = error(e.status, e.say(lang), kind)
         if e.status == 503:  # OpenAI's clients wait this long before they retry, instead of their own backoff
             refused.headers["Retry-After"] = str(RETRY_AFTER_S)
         return refused
@@ -284,8 +288,8 @@ class OpenAIApi:
                 raise InputError("bad_field", field="body")
             params, stops, stream = self.params(body), self.stops(body), body.get("stream") is True
             turns = answers.turns(await self.conversation(body.get("messages")))
-            if not self.answerer.engine.ready.is_set():
-                raise Refused(503, "not_ready")
+            if (now := self.answerer.engine.progress()) is not None:
+                raise Refused(503, "not_ready", now)
             updates = self.answerer.answer(turns, params, use_cache=True, fresh=False, **who)
             first = await self.opening(updates, request)
         except Exception as e:

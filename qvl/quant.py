@@ -278,7 +278,11 @@ def side_by_side(jobs, workers: int | None = None):
             yield name, done.result()
 
 
-def _load_converting(folder: str, convert) -> nn.Module:
+def unreported(phase: str, done: float | None):
+    """How far a load is, for a load that nobody watches: phase (what it does) and the fraction done, None if unknown."""
+
+
+def _load_converting(folder: str, convert, report=unreported) -> nn.Module:
     """The model filled tensor by tensor, each linear converted as soon as its weights are in.
 
     The skeleton's weights are never initialised (untouched memory is not resident), so the process holds the
@@ -290,6 +294,10 @@ def _load_converting(folder: str, convert) -> nn.Module:
     config = model.config
     expected, loaded = set(model.state_dict()), set()  # the checkpoint's names, before fusing
     lean.fuse(model, copy=False)
+    # Converting is most of the time, so a linear counts once converted, by its size (the tied head is one of them).
+    sizes = {name: module.weight.numel() for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    done, total = 0, sum(sizes.values())
+    report("converting", 0.0)
     embedding = EMBEDDING + ".weight"
 
     def linears():
@@ -322,6 +330,8 @@ def _load_converting(folder: str, convert) -> nn.Module:
     for name, converted in side_by_side(linears()):
         swap(model, name, converted)
         heap.trim()
+        done += sizes[name]
+        report("converting", done / total)
     if missing := expected - loaded:
         raise KeyError(f"checkpoint lacks {sorted(missing)[:3]}")
     return model
@@ -355,23 +365,26 @@ def describe(mode: str) -> str:
     }.get(mode, mode)
 
 
-def load_model(source: str, mode: str):
-    """Load source (a checkpoint folder) in `mode`; return (model, description of precision/quantization)."""
+def load_model(source: str, mode: str, report=unreported):
+    """Load source (a checkpoint folder) in `mode`; return (model, description of precision/quantization). report is
+    told how far it is, as unreported is."""
     from transformers import AutoModelForImageTextToText
 
     from qvl import lean
 
     mode = resolve(mode)
     if mode in ("fp32", "bf16"):
+        report("loading", None)  # transformers' own load says nothing until it is done
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
         model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype).eval()
         lean.fuse(model)
         return model, describe(mode)
     convert = _int8 if mode == "int8" else _int4
     try:
-        model = _load_converting(source, convert)
+        model = _load_converting(source, convert, report)
     except KeyError as e:  # a layout this loader does not know: convert after a whole bf16 load (more memory)
         log.warning("%s: loading the checkpoint whole before quantizing it", e)
+        report("converting", None)
         model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.bfloat16).eval()
         lean.fuse(model)
         _replace_linears(model, convert)

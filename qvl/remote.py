@@ -73,6 +73,10 @@ class RemoteEngine:
         finally:
             self.ready.set()
 
+    def progress(self) -> tuple[str, float | None] | None:
+        """As Engine's: ("warming", None) until warm_up() has asked the backend, then None."""
+        return None if self.ready.is_set() else ("warming", None)
+
     def _resolve(self):
         if self.model is None:
             models = self._call(lambda: self.http.get(self.url + "/models"))

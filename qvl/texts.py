@@ -12,6 +12,10 @@ TEXT = {
                     "answering: its answers are gibberish.",
         "warming": "⏳ Warming up: the model is getting ready. Questions asked now wait in line and are answered "
                    "as soon as it is.",
+        "start_reading": "Reading the model: {done}",
+        "start_converting": "Converting the model for this CPU, which only a first start does: {done}",
+        "start_loading": "Loading the model…",
+        "start_warming": "Warming up: answering a first question…",
         "chat": "Chat", "settings": "Settings", "conversation": "Conversation",
         "placeholder": "Ask about your images… (Enter sends, Shift+Enter for a new line)",
         "welcome": "### Ask anything about a picture\n\nAdd one or more images (upload, drag and drop or paste), "
@@ -75,7 +79,8 @@ TEXT = {
         "picture": "image", "pictures": "images",
         # The OpenAI-compatible API's own refusals.
         "api_key": "A valid API key is required: send it as the header 'Authorization: Bearer <key>'.",
-        "not_ready": "The model is still loading or warming up; please try again shortly (Retry-After says when).",
+        "not_ready": "The model is still loading or warming up ({now}); please try again shortly (Retry-After "
+                     "says when).",
         "bad_field": "The request's '{field}' is missing or not valid.",
         "image_url_off": "This server does not download images from links; send the image itself as a data: URL "
                          "(data:image/png;base64,…).",
@@ -94,6 +99,10 @@ TEXT = {
         "title": "## 用 Qwen3-VL 聊图片（CPU 运行）",
         "fallback": "⚠ **离线后备模式**：无法加载真实模型，当前由一个微型随机模型回答，内容没有意义。",
         "warming": "⏳ 正在预热：模型还在准备中。现在提出的问题会排队，准备好后立即回答。",
+        "start_reading": "正在读取模型：{done}",
+        "start_converting": "正在为此 CPU 转换模型，仅首次启动需要：{done}",
+        "start_loading": "正在加载模型……",
+        "start_warming": "正在预热：回答第一个问题……",
         "chat": "聊天", "settings": "设置", "conversation": "对话",
         "placeholder": "关于图片提问……（回车发送，Shift+回车换行）",
         "welcome": "### 关于图片，尽管问\n\n添加一张或多张图片（上传、拖放或粘贴），输入问题后按回车。"
@@ -150,7 +159,7 @@ TEXT = {
         "image_share": "（其中 {tokens} 个用于 {count} 张{pictures}）",
         "picture": "图片", "pictures": "图片",
         "api_key": "需要有效的 API 密钥：请在请求头中发送 'Authorization: Bearer <密钥>'。",
-        "not_ready": "模型仍在加载或预热，请稍后再试（Retry-After 给出等待秒数）。",
+        "not_ready": "模型仍在加载或预热（{now}），请稍后再试（Retry-After 给出等待秒数）。",
         "bad_field": "请求中的 '{field}' 缺失或无效。",
         "image_url_off": "本服务器不从链接下载图片；请把图片本身作为 data: URL 发送（data:image/png;base64,…）。",
         "image_url_blocked": "{host} 是本地或内网地址；只从公网地址下载图片。",
@@ -175,6 +184,12 @@ def language(request) -> str:
 
 def say(lang: str, key: str, **params) -> str:
     return TEXT[lang][key].format(**params)
+
+
+def starting(lang: str, progress: tuple[str, float | None]) -> str:
+    """What a start does now (Engine.progress()): 'Reading the model: 45%'."""
+    phase, done = progress
+    return say(lang, f"start_{phase}", done="…" if done is None else f"{int(done * 100)}%")
 
 
 def image_share(lang: str, tokens: int, count: int) -> str:

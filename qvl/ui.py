@@ -98,10 +98,12 @@ def build(answerer: Answerer, settings) -> gr.Blocks:
 
         demo.load(in_their_language, None, chatbot, api_visibility="private")
 
-        def warm() -> tuple:  # a load that fails in the background falls back before the engine is ready
-            ready = engine.ready.is_set()
-            fell_back = bool(engine.fallback)
-            return gr.Markdown(visible=fell_back), gr.Markdown(visible=not ready), gr.Timer(active=not ready)
+        def warm(request: gr.Request) -> tuple:  # a load that fails in the background falls back before it is ready
+            fell_back, now, lang = bool(engine.fallback), engine.progress(), texts.language(request)
+            if now is None:
+                return gr.Markdown(visible=fell_back), gr.Markdown(visible=False), gr.Timer(active=False)
+            banner = f"{texts.say(lang, 'warming')}\n\n{texts.starting(lang, now)}"
+            return gr.Markdown(visible=fell_back), gr.Markdown(banner, visible=True), gr.Timer(active=True)
 
         demo.load(warm, None, [fallback, warming, ticking], api_visibility="private")
         ticking.tick(warm, None, [fallback, warming, ticking], api_visibility="private")

@@ -1,10 +1,13 @@
 """The page in a real headless Chromium (Debian's, driven by Playwright): what a user clicks, sees and waits for."""
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from qvl import modelcache, settings
+from qvl.engine import Engine
 from qvl.ui import ASSETS
 from test_openai_api import serving
 from test_remote import ended
@@ -249,6 +252,26 @@ def test_a_conversation_the_server_forgot_says_so_and_starts_over(browser, launc
         users = page.locator('#chatbot [data-testid="user"]').all_inner_texts()
         assert [u.strip() for u in users] == ["Second question?"]
         assert "total" in answer(page)
+
+
+def test_the_warming_banner_says_what_the_start_does_and_how_far_it_is(browser, tiny_dir, tmp_path, monkeypatch):
+    release, real = threading.Event(), modelcache.load
+
+    def load(*args):  # a first start, 42% through converting the checkpoint until released
+        args[-1]("converting", 0.42)
+        release.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(modelcache, "load", load)
+    engine = Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache",
+                                    "--cache-dir", str(tmp_path / "cache")], env={}), background=True)
+    with serving(engine, tmp_path) as url:
+        page = open_page(browser, type("App", (), {"url": url}), locale="zh-CN")
+        page.wait_for_selector("#warming >> text=正在为此 CPU 转换模型，仅首次启动需要：42%")
+        release.set()
+        page.wait_for_selector("#warming >> text=正在预热：回答第一个问题……")
+        engine.warm_up([], "Hi")
+        page.wait_for_selector("#warming", state="hidden")
 
 
 def test_a_fallback_after_the_page_is_up_raises_its_banner(browser, make_engine, tmp_path):

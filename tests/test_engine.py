@@ -213,7 +213,7 @@ def test_a_background_engine_is_described_at_once_and_answers_once_its_weights_a
     monkeypatch.setattr(modelcache, "load", lambda *a: release.wait() and real(*a))
     late = Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache", "--kv-memory", "0",
                                   "--feature-cache-size", "0"], env={}), background=True)
-    assert not late.loaded.is_set() and not hasattr(late, "model")
+    assert not late.loaded.is_set() and not hasattr(late, "model") and late.progress() == ("loading", None)
     assert (late.identity, late.precision, late.max_context) == (engine.identity, engine.precision, engine.max_context)
     turns, answers = [Turn("user", "What is in this picture?", (picture(),))], []
     asking = threading.Thread(target=lambda: answers.append(run(late, turns)))

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -18,8 +19,11 @@ PARAMS = GenParams(greedy=True, max_new_tokens=12, min_new_tokens=12)
 
 
 def _start(tiny_dir, mode, *flags):
-    return Engine(settings.parse(["--model", str(tiny_dir), "--quant", mode, "--no-cache", "--feature-cache-size", "0",
-                                  *flags], env={}))
+    """An engine, once a first start has kept its converted model (in the background, once loaded)."""
+    engine = Engine(settings.parse(["--model", str(tiny_dir), "--quant", mode, "--no-cache", "--feature-cache-size",
+                                    "0", *flags], env={}))
+    assert engine.settled.wait(60)
+    return engine
 
 
 def _answer(engine):
@@ -56,6 +60,20 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
     with torch.inference_mode():
         for rows in (ids[:, :1], ids):
             assert torch.equal(second.model(input_ids=rows).logits, first.model(input_ids=rows).logits)
+
+
+def test_a_start_says_how_far_it_is_converting_first_then_reading(tiny_dir, tmp_path, monkeypatch):
+    reports, real = [], Engine._report
+    monkeypatch.setattr(Engine, "_report", lambda self, *now: reports.append(now) or real(self, *now))
+    for phase in ("converting", "reading"):  # the first start, then the second
+        reports.clear()
+        engine = _start(tiny_dir, "int8", "--model-cache-dir", str(tmp_path))
+        assert {said for said, _ in reports} == {phase}
+        done = [fraction for _, fraction in reports]
+        assert len(done) > 10 and done == sorted(done) and done[0] < 0.5 and done[-1] == 1.0
+        assert engine.progress() == ("warming", None)  # loaded; the warm-up is the app's to run
+        engine.warm_up([], "Hi")
+        assert engine.progress() is None
 
 
 def _settings(tiny_dir, mode, *flags):
@@ -257,6 +275,38 @@ def test_no_model_cache_writes_nothing_and_fp32_has_nothing_to_keep(tiny_dir, tm
     _start(tiny_dir, "int8", "--no-model-cache", "--model-cache-dir", str(tmp_path / "a"))
     _start(tiny_dir, "fp32", "--model-cache-dir", str(tmp_path / "b"))
     assert _files(tmp_path / "a") == _files(tmp_path / "b") == []
+
+
+def test_a_first_start_answers_before_its_converted_model_is_kept_which_happens_in_the_background(
+        tiny_dir, tmp_path, monkeypatch):
+    release, writes, write = threading.Event(), [], modelcache._write
+    monkeypatch.setattr(modelcache, "_write", lambda *a: writes.append(_priority()) or release.wait(60) and write(*a))
+    first = Engine(_settings(tiny_dir, "int8", "--model-cache-dir", str(tmp_path)))
+    answer = _answer(first)  # keeping it waits: fbgemm unpacks every weight for it, a minute for the 2B
+    assert first.loaded.is_set() and not first.settled.is_set() and _files(tmp_path) == []
+    release.set()
+    assert first.settled.wait(60) and len(_files(tmp_path)) == 1 and writes[0] > _priority()
+    assert _answer(_start(tiny_dir, "int8", "--model-cache-dir", str(tmp_path))) == answer
+
+
+def test_an_exit_while_the_converted_model_is_kept_stops_the_write_and_leaves_no_file(tiny_dir, tmp_path,
+                                                                                      monkeypatch, caplog):
+    caplog.set_level(logging.INFO, "qvl")
+    writing, tensors = threading.Event(), modelcache._tensors
+
+    def slowly(model, data=True):  # a tenth of a second a tensor: ~10 s for the tiny model's
+        for item in tensors(model, data):
+            if data:
+                writing.set()
+                time.sleep(0.1)
+            yield item
+
+    monkeypatch.setattr(modelcache, "_tensors", slowly)
+    engine = Engine(_settings(tiny_dir, "int8", "--model-cache-dir", str(tmp_path)))
+    assert writing.wait(60)
+    started = time.monotonic()
+    assert engine.close() and engine.settled.is_set() and time.monotonic() - started < 2
+    assert _files(tmp_path) == [] and "kept the converted" not in caplog.text
 
 
 def test_a_crash_mid_write_leaves_no_file_a_later_start_trusts(tiny_dir, tmp_path, monkeypatch):

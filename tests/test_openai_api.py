@@ -179,7 +179,8 @@ def serving(engine, tmp_path, *flags):
     demo = ui.build(answerer, config)
     demo.queue(default_concurrency_limit=1, max_size=config.queue_size).launch(
         server_name="127.0.0.1", server_port=stress.free_port(), prevent_thread_lock=True, quiet=True,
-        auth=settings.credentials(config.auth) or None, app_kwargs={"routes": openai_api.routes(answerer, config)})
+        auth=settings.credentials(config.auth) or None, app_kwargs={"routes": openai_api.routes(answerer, config)},
+        **ui.page_assets())
     try:
         yield demo.local_url
     finally:
@@ -190,7 +191,7 @@ def test_while_warming_up_the_api_says_503(make_engine, tmp_path):
     with serving(make_engine(), tmp_path) as url:  # a fresh engine: warm_up never ran
         client = openai.OpenAI(base_url=url + "v1", api_key="-", max_retries=0,
                                default_headers={"Accept-Language": "zh-CN"})
-        with pytest.raises(openai.InternalServerError, match="模型仍在加载或预热") as refused:
+        with pytest.raises(openai.InternalServerError, match="模型仍在加载或预热（正在预热：回答第一个问题……）") as refused:
             client.chat.completions.create(model="qvl", messages=[{"role": "user", "content": "Hi"}])
         assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "5"
 
