@@ -25,6 +25,14 @@ def ask(client: Client, question: str, images=(), **params):
     return client.submit([handle_file(p) for p in images], question, api_name="/ask", **params)
 
 
+def started(job, streaming: bool = False):
+    """Wait until the job has sent something (its place in line), or with streaming, text of its answer."""
+    while not job.outputs() or (streaming and not job.outputs()[-1][0]):
+        assert not job.done(), job.exception()
+        time.sleep(0.02)
+    return job
+
+
 def collect(job) -> list[tuple[float, str, str]]:
     """Every streamed (arrival time, answer, status) of a job, in order."""
     return [(time.monotonic(), answer, status) for answer, status in job]
@@ -62,12 +70,8 @@ def test_a_repeated_question_is_answered_from_the_cache(app):
 def test_a_cached_answer_does_not_wait_behind_running_generations(app):
     clients = [Client(app.url, verbose=False) for _ in range(3)]
     clients[0].predict([handle_file(CHART)], "Count the bars.", api_name="/ask")
-    running = ask(clients[0], "Describe the colours.", [CHART], use_cache=False)
-    while not running.outputs():
-        time.sleep(0.02)
-    waiting = ask(clients[1], "Describe the axes.", [CHART], use_cache=False)
-    while not waiting.outputs():
-        time.sleep(0.02)
+    running = started(ask(clients[0], "Describe the colours.", [CHART], use_cache=False))
+    waiting = started(ask(clients[1], "Describe the axes.", [CHART], use_cache=False))
     _, status = clients[2].predict([handle_file(CHART)], "Count the bars.", api_name="/ask")
     assert "answered from cache" in status
     assert not waiting.done()  # answered while two generations were still ahead of it
@@ -76,9 +80,7 @@ def test_a_cached_answer_does_not_wait_behind_running_generations(app):
 
 def test_a_second_client_waits_in_line_and_is_answered_after_the_first(app):
     first, second = Client(app.url, verbose=False), Client(app.url, verbose=False)
-    jobs = [ask(first, "What colour is the first bar?", [CHART], use_cache=False)]
-    while not jobs[0].outputs():
-        time.sleep(0.02)
+    jobs = [started(ask(first, "What colour is the first bar?", [CHART], use_cache=False))]
     jobs.append(ask(second, "What colour is the last bar?", [CHART], use_cache=False))
     results = [None, None]
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, collect(jobs[i]))) for i in range(2)]
@@ -100,28 +102,26 @@ def test_a_stopped_answer_frees_the_worker_for_the_next_request(launch_app):
 
 
 def _stop_frees_the_worker(app):
-    stopped = ask(Client(app.url, verbose=False), "Tell me everything.", [CHART], use_cache=False)
-    while not stopped.outputs() or not stopped.outputs()[-1][0]:
-        time.sleep(0.02)  # streaming
-    waiting = ask(Client(app.url, verbose=False), "And now this.", [CHART], use_cache=False)
-    while not waiting.outputs():
-        time.sleep(0.02)  # in line behind it
+    stopped = started(ask(Client(app.url, verbose=False), "Tell me everything.", [CHART], use_cache=False), True)
+    waiting = started(ask(Client(app.url, verbose=False), "And now this.", [CHART], use_cache=False))  # in line
     stopped.cancel()
-    while not waiting.outputs()[-1][0]:
-        time.sleep(0.02)  # it streams: the worker is free
+    started(waiting, streaming=True)  # the worker is free
     waiting.cancel()
     assert "first token" not in stopped.outputs()[-1][1]  # it never finished
 
 
-def test_past_the_queue_bound_a_request_is_told_to_retry(app):
-    clients = [Client(app.url, verbose=False) for _ in range(4)]
-    jobs = [ask(client, f"Question {i}?", [CHART], use_cache=False) for i, client in enumerate(clients[:3])]
-    while not all(job.outputs() for job in jobs):
-        time.sleep(0.02)  # one running, two waiting: the bound of --queue-size 2
-    with pytest.raises(AppError, match="busy"):
-        clients[3].predict([handle_file(CHART)], "One too many?", use_cache=False, api_name="/ask")
-    for job in jobs:
-        job.result(timeout=60)
+def test_past_the_queue_bound_a_request_is_told_to_retry(launch_app):
+    # Its own server, whose answers are 3000 tokens long unless a request asks for fewer: the first one still runs,
+    # however fast the machine, while two short ones wait behind it, the bound of --queue-size 2.
+    with launch_app("--queue-size", "2", "--min-new-tokens", "3000", "--max-new-tokens", "3000") as app:
+        clients = [Client(app.url, verbose=False) for _ in range(4)]
+        running = started(ask(clients[0], "Tell me everything.", [CHART], use_cache=False), streaming=True)
+        short = dict(use_cache=False, max_new_tokens=8)
+        waiting = [started(ask(client, f"Question {i}?", [CHART], **short)) for i, client in enumerate(clients[1:3])]
+        with pytest.raises(AppError, match="busy"):
+            clients[3].predict([handle_file(CHART)], "One too many?", **short, api_name="/ask")
+        running.cancel()
+        assert all("first token" in job.result(timeout=60)[1] for job in waiting)
 
 
 def test_bad_input_gets_a_message_and_the_next_request_works(app):
@@ -158,14 +158,6 @@ def ranked(launch_app):
                     "--min-new-tokens", "3000", "--max-new-tokens", "3000") as running:
         running.client = lambda user: Client(running.url, auth=(user, f"{user}-pw"), verbose=False)
         yield running
-
-
-def started(job, streaming: bool = False):
-    """Wait until the job has sent something (its place in line), or with streaming, text of its answer."""
-    while not job.outputs() or (streaming and not job.outputs()[-1][0]):
-        assert not job.done(), job.exception()
-        time.sleep(0.02)
-    return job
 
 
 def test_a_priority_user_who_arrives_last_is_answered_before_the_others_waiting(ranked):
