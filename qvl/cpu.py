@@ -31,7 +31,6 @@ def _cgroup_quota(root: Path) -> float | None:
     return max(1.0, int(quota) / int(period))
 
 
-
 def background(lower: int = 10):
     """Lower the calling thread's scheduling priority by `lower` (Linux keeps one per thread), so that work that can
     wait (packing weights, repacking them) gives the cores to the work someone waits for (imports and the page while
