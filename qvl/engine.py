@@ -170,25 +170,27 @@ class Engine:
         self._find(str(TINY_DIR))
         self._load()
 
+    def _idle(self) -> bool:
+        """Wait while a request runs (it has the cores, and its tensors the memory); False once the process exits."""
+        while self._lock.locked() and not self._exiting.is_set():
+            time.sleep(0.05)
+        return not self._exiting.is_set()
+
     def _settle(self, keep):
-        """In the background, at a low priority, once the model is in: keep the model that a first start converted
-        (modelcache.load's keep, stopped at exit), and repack the int8 linears that a start from the model cache packed
-        in pieces (quick to pack, a few calls more per step) into fewer, a run of pieces at a time and not while a
-        request runs; then set settled."""
+        """In the background, at a low priority and never while a request runs, once the model is in: keep the model
+        that a first start converted (modelcache.load's keep, a tensor at a time), and repack the int8 linears that a
+        start from the model cache packed in pieces (quick to pack, a few calls more per step) into fewer, a run of
+        pieces at a time; then set settled."""
         cpu.background()
         if keep is not None:
-            keep(self._exiting)
+            keep(self._idle)
         linears = iter([m for m in self.model.modules() if isinstance(m, quant.Int8Linear)])
 
         def settle():  # as many of these as torch has threads: fbgemm packs in one thread with the GIL released
             cpu.background()
             try:
                 for linear in linears:  # shared with the others: next() on a list iterator is atomic
-                    while not self._exiting.is_set():
-                        while self._lock.locked() and not self._exiting.is_set():  # a request has the cores
-                            time.sleep(0.05)
-                        if self._exiting.is_set() or not linear.settle():
-                            break
+                    while self._idle() and linear.settle():
                         heap.trim()  # the pieces it replaced
             except Exception:  # the pieces answer the same, only a little slower
                 log.exception("repacking the int8 linears failed; they stay in pieces")

@@ -108,9 +108,9 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
     """(model, keep): quant.load_model(source, mode, report)'s model, read from the model cache in folder when it
     holds this model (None: off), through ahead when that is reading this model's file.
 
-    keep is None, or, after converting, keep(stop) writes the converted model to the model cache: fbgemm unpacks
-    every weight for it (a minute on 2 cores for the 2B), so the engine runs it once it serves; stop, a
-    threading.Event, ends it early without a file."""
+    keep is None, or, after converting, keep(go_on) writes the converted model to the model cache: fbgemm unpacks
+    every weight for it (a minute on 2 cores for the 2B), so the engine runs it once it serves; go_on() is asked
+    before each tensor, may wait, and ends the write without a file when it returns False."""
     mode = quant.resolve(mode)
     file, want = (None, None) if folder is None else (path(folder, weights, mode), key(weights, mode))
     if ahead is not None and ahead.file != file:
@@ -130,9 +130,9 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
     log.info("converting the checkpoint to %s: minutes on a few cores, once (later starts read %s)", mode, file)
     model = quant.load_model(source, mode, report)[0]
 
-    def keep(stop: threading.Event):
+    def keep(go_on):
         try:
-            if _write(file, model, want, stop):
+            if _write(file, model, want, go_on):
                 log.info("kept the converted %s model in %s (%.1f GB)", mode, file, file.stat().st_size / 1e9)
         except Exception as e:  # disk full, read-only: only the kept copy is lost
             log.warning("could not keep the converted model in %s (%s); the next start converts again", folder, e)
@@ -175,9 +175,9 @@ def _tensors(model: nn.Module, data: bool = True):
                 yield f"{prefix}.{name}", tensor.detach()
 
 
-def _write(file: Path, model: nn.Module, want: dict, stop: threading.Event | None = None) -> bool:
-    """Write file atomically: a temporary file beside it, renamed over it only once complete and flushed. False, and
-    no file, when stop is set before the end."""
+def _write(file: Path, model: nn.Module, want: dict, go_on=lambda: True) -> bool:
+    """Write file atomically: a temporary file beside it, renamed over it only once complete and flushed. go_on() is
+    asked before each tensor: False, and no file, when it says no."""
     # The header first, from the tensors' shapes; then the data, for which fbgemm unpacks a copy of each weight, one
     # at a time, so the write never holds a second copy of the model.
     header, offset = {}, 0
@@ -197,7 +197,7 @@ def _write(file: Path, model: nn.Module, want: dict, stop: threading.Event | Non
             f.write(len(text).to_bytes(8, "little") + text)
             crc = 0
             for name, tensor in _tensors(model):
-                if stop is not None and stop.is_set():
+                if not go_on():
                     return False
                 if (_NAMES[tensor.dtype], list(tensor.shape)) != (header[name]["dtype"], header[name]["shape"]):
                     raise ValueError(f"{name} is not what the header says")

@@ -284,7 +284,10 @@ def test_a_first_start_answers_before_its_converted_model_is_kept_which_happens_
     first = Engine(_settings(tiny_dir, "int8", "--model-cache-dir", str(tmp_path)))
     answer = _answer(first)  # keeping it waits: fbgemm unpacks every weight for it, a minute for the 2B
     assert first.loaded.is_set() and not first.settled.is_set() and _files(tmp_path) == []
-    release.set()
+    with first._lock:  # as a request does: the write waits for the cores and the memory
+        release.set()
+        time.sleep(1.0)
+        assert not [name for name in _files(tmp_path) if name.endswith(".safetensors")]  # at most its .tmp
     assert first.settled.wait(60) and len(_files(tmp_path)) == 1 and writes[0] > _priority()
     assert _answer(_start(tiny_dir, "int8", "--model-cache-dir", str(tmp_path))) == answer
 
