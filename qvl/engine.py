@@ -128,7 +128,6 @@ class Engine:
 
     def _load(self):
         store = self.settings.model_cache_dir if self.settings.model_cache else None
-        # The precision it returns is the one _find described.
         self.model, keep = modelcache.load(self.folder, self.settings.quant, self.weights, store, self._ahead,
                                            self._report)
         self._ahead = None  # read: its packed weights are the model's now
