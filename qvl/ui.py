@@ -99,11 +99,10 @@ def build(answerer: Answerer, settings) -> gr.Blocks:
         demo.load(in_their_language, None, chatbot, api_visibility="private")
 
         def warm(request: gr.Request) -> tuple:  # a load that fails in the background falls back before it is ready
-            fell_back, now, lang = bool(engine.fallback), engine.progress(), texts.language(request)
-            if now is None:
-                return gr.Markdown(visible=fell_back), gr.Markdown(visible=False), gr.Timer(active=False)
-            banner = f"{texts.say(lang, 'warming')}\n\n{texts.starting(lang, now)}"
-            return gr.Markdown(visible=fell_back), gr.Markdown(banner, visible=True), gr.Timer(active=True)
+            now, lang = engine.progress(), texts.language(request)
+            banner = gr.Markdown(visible=False) if now is None else gr.Markdown(
+                f"{texts.say(lang, 'warming')}\n\n{texts.starting(lang, now)}", visible=True)
+            return gr.Markdown(visible=bool(engine.fallback)), banner, gr.Timer(active=now is not None)
 
         demo.load(warm, None, [fallback, warming, ticking], api_visibility="private")
         ticking.tick(warm, None, [fallback, warming, ticking], api_visibility="private")
