@@ -65,7 +65,7 @@ class Engine:
 
     loaded is set once the weights are in, ready once warm_up() has run (the app says it is warming up until then),
     settled once the background work of a start is done: the model a first start converted is kept in the model
-    cache, or the int8 linears that a start from it packed in pieces are repacked (answers are the same before).
+    cache, and the int8 linears that every start packs in pieces are repacked (answers are the same before).
     Kept conversations (kv) and the image-feature store (features) are None when switched off. close()
     runs at exit.
     """
@@ -177,9 +177,9 @@ class Engine:
 
     def _settle(self, keep):
         """In the background, at a low priority and never while a request runs, once the model is in: keep the model
-        that a first start converted (modelcache.load's keep, a tensor at a time), and repack the int8 linears that a
-        start from the model cache packed in pieces (quick to pack, a few calls more per step) into fewer, a run of
-        pieces at a time; then set settled."""
+        that a first start converted (modelcache.load's keep, a tensor at a time, while its weights are still in pieces,
+        which unpack faster too), and repack the int8 linears, which every start packs in pieces (quick to pack, a few
+        calls more per step), into fewer, a run of pieces at a time; then set settled."""
         cpu.background()
         if keep is not None:
             keep(self._idle)

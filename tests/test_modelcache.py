@@ -205,6 +205,23 @@ def test_a_second_start_serves_from_pieces_then_settles_to_the_same_answers(tiny
 
 
 
+def test_a_first_start_converts_into_pieces_then_keeps_and_settles_what_a_whole_conversion_would(
+        tiny_dir, tmp_path, monkeypatch):
+    whole = _start(tiny_dir, "int8", "--model-cache-dir", str(tmp_path / "whole"))  # the tiny linears: one piece each
+    monkeypatch.setattr(quant, "PIECE", 64 * 24)  # pieces of a few rows, as the 2B's linears are packed
+    converted, _ = quant.load_model(str(tiny_dir), "int8")
+    assert sum(len(m.parts) > 1 for m in converted.modules() if isinstance(m, quant.Int8Linear)) > 10
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+    with torch.inference_mode():
+        for rows in (ids[:, :1], ids):
+            assert torch.equal(converted(input_ids=rows).logits, whole.model(input_ids=rows).logits)
+    pieces = _start(tiny_dir, "int8", "--model-cache-dir", str(tmp_path / "pieces"))
+    assert all(len(m.parts) == 1 for m in pieces.model.modules() if isinstance(m, quant.Int8Linear))  # settled
+    [kept_whole], [kept_pieces] = ([*(tmp_path / name).iterdir()] for name in ("whole", "pieces"))
+    assert kept_pieces.read_bytes() == kept_whole.read_bytes()
+    assert _answer(pieces) == _answer(whole)
+
+
 EXIT_WHILE_SETTLING = """
 import sys, torch
 from qvl import quant, settings
