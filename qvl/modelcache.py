@@ -154,15 +154,16 @@ def _sweep(file: Path):
 
 
 def _tensors(model: nn.Module, data: bool = True):
-    """(name, tensor) for everything the converted model holds, in a form that load() can rebuild it from; without
+    """(name, chunks) for everything the converted model holds, in a form that load() can rebuild it from: the tensor
+    stored under name is chunks, a tensor or an iterable of them, concatenated along the first dimension. Without
     data, the int8 linears' tensors are stand-ins of their dtype and shape on the meta device (fbgemm unpacking the
     weights is most of a write's time)."""
     for prefix, module in model.named_modules():
         if isinstance(module, quant.Int8Linear):
             rows, shape = module.out_features, (module.out_features, module.in_features)
             if data:
-                weight = module.weight()
-                parts = weight.int_repr(), weight.q_per_channel_scales(), weight.q_per_channel_zero_points()
+                scales, zero_points = [], []
+                parts = _rows(module.pieces(), scales, zero_points), scales, zero_points
             else:  # the dtypes torch gives a per-channel qint8 tensor's parts
                 parts = [torch.empty(size, dtype=dtype, device="meta")
                          for size, dtype in [(shape, torch.int8), (rows, torch.float64), (rows, torch.int64)]]
@@ -173,6 +174,15 @@ def _tensors(model: nn.Module, data: bool = True):
         for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
             if tensor is not None:
                 yield f"{prefix}.{name}", tensor.detach()
+
+
+def _rows(pieces, scales: list, zero_points: list):
+    """Each piece's int8 values, one piece unpacked at a time, gathering its scales and zero points meanwhile (they
+    are written after the values): the 2B's head unpacked whole, then joined, held 0.9 GB for a moment."""
+    for piece in pieces:
+        scales.append(piece.q_per_channel_scales())
+        zero_points.append(piece.q_per_channel_zero_points())
+        yield piece.int_repr()
 
 
 def _write(file: Path, model: nn.Module, want: dict, go_on=lambda: True) -> bool:
@@ -196,14 +206,19 @@ def _write(file: Path, model: nn.Module, want: dict, go_on=lambda: True) -> bool
         with open(temporary, "wb") as f:
             f.write(len(text).to_bytes(8, "little") + text)
             crc = 0
-            for name, tensor in _tensors(model):
+            for name, chunks in _tensors(model):
                 if not go_on():
                     return False
-                if (_NAMES[tensor.dtype], list(tensor.shape)) != (header[name]["dtype"], header[name]["shape"]):
+                want, rows = header[name], 0
+                for chunk in [chunks] if isinstance(chunks, torch.Tensor) else chunks:
+                    if (_NAMES[chunk.dtype], list(chunk.shape[1:])) != (want["dtype"], want["shape"][1:]):
+                        raise ValueError(f"{name} is not what the header says")
+                    rows += chunk.shape[0] if chunk.dim() else 1
+                    data = chunk.contiguous().reshape(-1).view(torch.uint8).numpy()
+                    crc = zlib.crc32(data, crc)
+                    f.write(data)
+                if rows != (want["shape"][0] if want["shape"] else 1):
                     raise ValueError(f"{name} is not what the header says")
-                data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-                crc = zlib.crc32(data, crc)
-                f.write(data)
             f.seek(8)
             f.write(text.replace(b'"crc32": "00000000"', f'"crc32": "{crc:08x}"'.encode()))
             f.flush()

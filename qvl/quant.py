@@ -166,6 +166,10 @@ class Int8Linear(nn.Module):
         """The per-channel torch.qint8 weight, unpacked (a copy)."""
         return _unpack(self.parts)
 
+    def pieces(self):
+        """The per-channel torch.qint8 weight a piece at a time, unpacked as asked for (copies), its rows in order."""
+        return (torch.ops.quantized.linear_unpack(part)[0] for part in self.parts)
+
     def settle(self, rows: int = SETTLED_ROWS) -> bool:
         """Repack the next run of loaded pieces that fits in `rows` rows as one piece; False once none is left."""
         run = max(1, rows // self.rows)
@@ -204,7 +208,7 @@ def _pack(qweight: torch.Tensor):
 
 def _unpack(parts: list) -> torch.Tensor:
     """The per-channel torch.qint8 weight that packed parts hold, their rows in order."""
-    pieces = [torch.ops.quantized.linear_unpack(part)[0] for part in parts]
+    pieces = [torch.ops.quantized.linear_unpack(part)[0] for part in parts]  # the op pieces() uses, all at once
     if len(pieces) == 1:
         return pieces[0]
     return per_channel_qint8(torch.cat([p.int_repr() for p in pieces]),
