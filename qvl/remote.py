@@ -74,8 +74,8 @@ class RemoteEngine:
             self.ready.set()
 
     def progress(self) -> tuple[str, float | None] | None:
-        """As Engine's: ("warming", None) until warm_up() has asked the backend, then None."""
-        return None if self.ready.is_set() else ("warming", None)
+        """As Engine's: ("connecting", None) until warm_up() has asked the backend, then None."""
+        return None if self.ready.is_set() else ("connecting", None)
 
     def _resolve(self):
         if self.model is None:

@@ -16,6 +16,7 @@ TEXT = {
         "start_converting": "Converting the model for this CPU, which only a first start does: {done}",
         "start_loading": "Loading the model…",
         "start_warming": "Warming up: answering a first question…",
+        "start_connecting": "Asking the model server which model it serves…",
         "chat": "Chat", "settings": "Settings", "conversation": "Conversation",
         "placeholder": "Ask about your images… (Enter sends, Shift+Enter for a new line)",
         "welcome": "### Ask anything about a picture\n\nAdd one or more images (upload, drag and drop or paste), "
@@ -103,6 +104,7 @@ TEXT = {
         "start_converting": "正在为此 CPU 转换模型，仅首次启动需要：{done}",
         "start_loading": "正在加载模型……",
         "start_warming": "正在预热：回答第一个问题……",
+        "start_connecting": "正在询问模型服务器提供哪个模型……",
         "chat": "聊天", "settings": "设置", "conversation": "对话",
         "placeholder": "关于图片提问……（回车发送，Shift+回车换行）",
         "welcome": "### 关于图片，尽管问\n\n添加一张或多张图片（上传、拖放或粘贴），输入问题后按回车。"

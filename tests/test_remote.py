@@ -1,14 +1,18 @@
-"""A qvl that fronts another (--backend): two app processes, the second answering through the first's OpenAI API."""
+"""A qvl that fronts another (--backend): two app processes, the second answering through the first's OpenAI API;
+and what the remote engine says while it starts."""
 import re
 import shlex
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
-from qvl import stress
+from qvl import settings, stress, texts
+from qvl.remote import RemoteEngine
 from qvl.ui import ASSETS
 from test_openai_api import KEY, ready, serving
 from test_robustness import watch
@@ -82,3 +86,24 @@ def test_a_client_that_leaves_the_second_app_ends_the_generation_on_the_first(en
         assert ended(runs)["pieces"] < 2000
         answer, status = Client(second.url, verbose=False).predict([], "Next?", **{**SHORT, "max_new_tokens": 4})
         assert "first token" in status and runs[-1]["finished"]  # the first is free for the next question
+
+
+def test_until_the_backend_names_its_model_the_banner_says_it_is_asking(monkeypatch):
+    asked, answer = threading.Event(), threading.Event()
+
+    def backend(request):
+        asked.set()
+        answer.wait(10)
+        return httpx.Response(200, json={"data": [{"id": "served-model"}]})
+
+    engine = RemoteEngine(settings.parse(["--backend", "http://backend.test/v1"], env={}))
+    engine.http.close()
+    engine.http = httpx.Client(transport=httpx.MockTransport(backend))
+    warming = threading.Thread(target=engine.warm_up, args=([], "Hi"))
+    warming.start()
+    assert asked.wait(10)
+    assert texts.starting("en", engine.progress()) == "Asking the model server which model it serves…"
+    assert texts.starting("zh-CN", engine.progress()) == "正在询问模型服务器提供哪个模型……"
+    answer.set()
+    warming.join(10)
+    assert engine.progress() is None and engine.model_id == "served-model"
