@@ -60,6 +60,10 @@ _OPEN = weakref.WeakSet()
 atexit.register(lambda: [engine.close() for engine in list(_OPEN)])
 
 
+class _GaveWay(Exception):
+    """A background encoding stopped for a request or the exit."""
+
+
 class Engine:
     """Qwen3-VL loaded once; attributes model_id, folder, precision, identity, max_context describe it.
 
@@ -250,19 +254,19 @@ class Engine:
                 self.features.clear()
 
     def warm_up(self, pictures: list, question: str):
-        """Encode pictures into the feature store (those not in it yet) and answer one short text question, so that
-        the first visitor pays no lazy initialisation; then set ready, even if warming up failed. Requests meanwhile
-        wait. The question goes without a picture: with one, its prefill (300-odd tokens) held every start's readiness
-        back by 10-25 s on 2 cores, to keep a prefix that only that example's click reuses."""
+        """Answer one short text question, so that the first visitor pays no lazy initialisation, and set ready, even
+        if warming up failed (requests meanwhile wait); then encode pictures into the feature store (those not in it
+        yet), one at a time, giving way to every request (_encode).
+
+        The question goes without a picture: with one, its prefill (300-odd tokens) held every start's readiness back
+        by 10-25 s on 2 cores. The pictures come after ready: where the feature store starts empty (every restart of
+        a Space, whose disk does not persist), encoding the four examples first held a first start of the 2B back by
+        65 s, for clicks that may never come."""
         with self._warming:
+            params = replace(self.settings.gen, max_new_tokens=2, min_new_tokens=0, greedy=True)
             try:
                 if not self._wait_loaded():
                     return
-                params = replace(self.settings.gen, max_new_tokens=2, min_new_tokens=0, greedy=True)
-                if pictures and self.features is not None and not self._exiting.is_set():
-                    inputs, _ = self._inputs([Turn("user", question, tuple(pictures))], params)
-                    with self._lock, torch.inference_mode():
-                        self._image_features(inputs, self._images(inputs), 0)
                 if not self._exiting.is_set():
                     for _ in self.chat([Turn("user", question)], params):
                         if self._exiting.is_set():
@@ -273,6 +277,41 @@ class Engine:
                 self.ready.set()
                 if not self._exiting.is_set():
                     log.info("the model is loaded and warmed up: answering")
+            if self.features is not None and self.loaded.is_set():
+                try:
+                    self._encode(pictures, question, params)
+                except Exception:
+                    log.exception("encoding the example pictures failed; a click on one will encode it")
+
+    def _encode(self, pictures: list, question: str, params: GenParams):
+        """Put the pictures' vision features in the feature store, without the engine's lock: a request that takes it
+        meanwhile (or the exit) stops the encoding at its next vision block, and the picture is encoded again once the
+        request is done. Holding the lock, a picture in the 2B's vision tower kept a request after a fresh first start
+        waiting 22 s (2 Zen 1 cores), and an exit 18 s; a block is under a second."""
+        me = threading.get_ident()
+
+        def give_way(*_):
+            if threading.get_ident() == me and (self._lock.locked() or self._exiting.is_set()):
+                raise _GaveWay
+
+        with self._lock:  # never while a request's forward goes through the blocks' hooks
+            hooks = [block.register_forward_pre_hook(give_way) for block in self.model.model.visual.blocks]
+        try:
+            for picture in pictures:
+                inputs, _ = self._inputs([Turn("user", question, (picture,))], params)
+                while True:
+                    if not self._idle():
+                        return
+                    try:
+                        with torch.inference_mode():
+                            self._image_features(inputs, self._images(inputs), 0)  # the store has its own lock
+                        break
+                    except _GaveWay:
+                        continue
+        finally:
+            with self._lock:
+                for hook in hooks:
+                    hook.remove()
 
     def _report(self, phase: str, done: float | None):
         self._loading = (phase, done)

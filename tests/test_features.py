@@ -5,6 +5,8 @@ Engines here have conversation memory off, so only the feature store can spare t
 """
 import logging
 import shutil
+import threading
+import time
 
 import pytest
 
@@ -127,7 +129,7 @@ def test_memory_holds_what_its_bound_allows(memoryless):
         assert info["memory_entries"] == 1 and info["memory_bytes"] <= info["memory_limit_bytes"]
 
 
-def test_warm_up_encodes_the_examples_then_sets_ready(memoryless):
+def test_warm_up_answers_a_greeting_and_encodes_the_examples(memoryless):
     examples = [picture(320, 240, (250, 200, 0)), picture(96, 160)]
     engine = memoryless()
     assert not engine.ready.is_set()
@@ -141,6 +143,73 @@ def test_warm_up_encodes_the_examples_then_sets_ready(memoryless):
     for example in examples:
         assert ask(engine, [Turn("user", "Describe it.", (example,))]).stats.cached_images == 1
     assert calls == []
+
+
+def test_the_examples_are_encoded_once_ready_and_never_while_a_request_runs(memoryless):
+    # A Space's disk does not persist: every restart encodes the examples again, which held the 2B's first answer
+    # back by 65 s when it came before ready.
+    engine, request = memoryless(), threading.Event()
+    encoded, encode = [], engine._image_features
+    engine._image_features = lambda *a: encoded.append((engine.ready.is_set(), request.is_set())) or encode(*a)
+    greeting = engine.chat
+
+    def visitor():  # a request that holds the engine for a second
+        with engine._lock:
+            request.set()
+            time.sleep(1.0)
+            request.clear()
+
+    def chat(turns, params):  # the greeting, then at once a visitor's request
+        yield from greeting(turns, params)
+        threading.Thread(target=visitor).start()
+        assert request.wait(10)
+
+    engine.chat = chat
+    engine.warm_up([picture(320, 240, (250, 200, 0)), picture(96, 160)], "What is this?")
+    assert encoded == [(True, False), (True, False)]  # after ready, and after the request
+    assert engine.memory_info()["features"]["disk_entries"] == 2
+
+
+def _slow_encoding(engine) -> tuple[list, threading.Event]:
+    """Each vision block the warm-up's encoding completes takes half a second more; (the engine lock's state after
+    each, set once the first is done)."""
+    blocks, started = [], threading.Event()
+
+    def slow(*_):
+        if threading.current_thread().name == "warm-up":
+            blocks.append(engine._lock.locked())
+            started.set()
+            time.sleep(0.5)
+
+    for block in engine.model.model.visual.blocks:  # the tiny model's two
+        block.register_forward_hook(slow)
+    return blocks, started
+
+
+def test_a_request_stops_the_background_encoding_at_its_next_block_and_the_picture_is_encoded_after(memoryless):
+    engine = memoryless()
+    blocks, started = _slow_encoding(engine)
+    warming = threading.Thread(target=engine.warm_up, name="warm-up",
+                               args=([picture(320, 240, (250, 200, 0)), picture(96, 160)], "What is this?"))
+    warming.start()
+    assert started.wait(30)  # a first block of the first picture is done
+    with engine._lock:  # a request: it gets the engine at once, and holds it
+        time.sleep(1.5)
+    warming.join(30)
+    # The first picture was stopped after its first block, then encoded whole; never a block while the request ran.
+    assert blocks == [False] * 5 and engine.memory_info()["features"]["disk_entries"] == 2
+
+
+def test_an_exit_stops_the_background_encoding_at_its_next_block(memoryless):
+    engine = memoryless()
+    _, started = _slow_encoding(engine)
+    warming = threading.Thread(target=engine.warm_up, name="warm-up",
+                               args=([picture(320, 240, (250, 200, 0)), picture(96, 160)], "What is this?"))
+    warming.start()
+    assert started.wait(30)
+    began = time.monotonic()
+    assert engine.close() and time.monotonic() - began < 1.5 and not warming.is_alive()
+    assert engine.memory_info()["features"]["disk_entries"] == 0
 
 
 def test_a_failed_warm_up_still_sets_ready(memoryless, monkeypatch, caplog):
