@@ -211,7 +211,7 @@ def _pack(qweight: torch.Tensor):
 
 def _unpack(parts: list) -> torch.Tensor:
     """The per-channel torch.qint8 weight that packed parts hold, their rows in order."""
-    pieces = [torch.ops.quantized.linear_unpack(part)[0] for part in parts]  # the op pieces() uses, all at once
+    pieces = [torch.ops.quantized.linear_unpack(part)[0] for part in parts]
     if len(pieces) == 1:
         return pieces[0]
     return per_channel_qint8(torch.cat([p.int_repr() for p in pieces]),
