@@ -170,9 +170,10 @@ def test_the_examples_are_encoded_once_ready_and_never_while_a_request_runs(memo
     assert engine.memory_info()["features"]["disk_entries"] == 2
 
 
-def _slow_encoding(engine) -> tuple[list, threading.Event]:
-    """Each vision block the warm-up's encoding completes takes half a second more; (the engine lock's state after
-    each, set once the first is done)."""
+def _warming_slowly(engine) -> tuple[list, threading.Event, threading.Thread]:
+    """The warm-up started in a thread, as the app starts it, with two pictures to encode, each vision block its
+    encoding completes taking half a second more: (the engine lock's state after each, set once the first is done,
+    the thread)."""
     blocks, started = [], threading.Event()
 
     def slow(*_):
@@ -183,15 +184,15 @@ def _slow_encoding(engine) -> tuple[list, threading.Event]:
 
     for block in engine.model.model.visual.blocks:  # the tiny model's two
         block.register_forward_hook(slow)
-    return blocks, started
+    warming = threading.Thread(target=engine.warm_up, name="warm-up",
+                               args=([picture(320, 240, (250, 200, 0)), picture(96, 160)], "What is this?"))
+    warming.start()
+    return blocks, started, warming
 
 
 def test_a_request_stops_the_background_encoding_at_its_next_block_and_the_picture_is_encoded_after(memoryless):
     engine = memoryless()
-    blocks, started = _slow_encoding(engine)
-    warming = threading.Thread(target=engine.warm_up, name="warm-up",
-                               args=([picture(320, 240, (250, 200, 0)), picture(96, 160)], "What is this?"))
-    warming.start()
+    blocks, started, warming = _warming_slowly(engine)
     assert started.wait(30)  # a first block of the first picture is done
     with engine._lock:  # a request: it gets the engine at once, and holds it
         time.sleep(1.5)
@@ -202,10 +203,7 @@ def test_a_request_stops_the_background_encoding_at_its_next_block_and_the_pictu
 
 def test_an_exit_stops_the_background_encoding_at_its_next_block(memoryless):
     engine = memoryless()
-    _, started = _slow_encoding(engine)
-    warming = threading.Thread(target=engine.warm_up, name="warm-up",
-                               args=([picture(320, 240, (250, 200, 0)), picture(96, 160)], "What is this?"))
-    warming.start()
+    _, started, warming = _warming_slowly(engine)
     assert started.wait(30)
     began = time.monotonic()
     assert engine.close() and time.monotonic() - began < 1.5 and not warming.is_alive()
