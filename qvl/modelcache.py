@@ -6,7 +6,7 @@ them back. fp32 and bf16 load the checkpoint as it is, so they have nothing to k
 
 What is stored, as plain tensors (safetensors, never unpickled): for an fbgemm int8 linear its int8 weight, per-row
 scales and zero points and its bias (fbgemm packs its own layout at load, a fraction of converting); for an int4
-linear its packed weight, scales and zeros; everything else (bf16 token table, fp32 norms) as the model holds it.
+linear its packed weight, scales and zeros; for a w8a16 linear its int8 weight and scales; everything else (bf16 token table, fp32 norms) as the model holds it.
 The file's metadata holds the key, what makes it valid: the checkpoint's weights version, the mode, LAYOUT and the
 torch version, and a CRC-32 of the data. A file whose key differs, or that is truncated or corrupted, is ignored
 with one log line and written again; one that cannot be written (disk full, read-only folder) is logged, and the
@@ -354,11 +354,14 @@ def _read(reader: Reader, source: str, report=quant.unreported) -> nn.Module:
 
 
 def _linear(reader: Reader, prefix: str, out_features: int) -> nn.Module:
-    """The converted module for the linear at prefix: the reader's Int8Linear, or an Int4Linear of its tensors."""
-    if f"{prefix}.packed" not in reader.names:
+    """The converted module for the linear at prefix: the reader's Int8Linear, or an Int4Linear or Int8WeightOnly of
+    its tensors."""
+    if f"{prefix}.qweight" in reader.names:
         return reader.take(prefix)
-    prefill = reader.take(f"{prefix}.prefill") if f"{prefix}.prefill.qweight" in reader.names else None
     bias = reader.take(f"{prefix}.bias") if f"{prefix}.bias" in reader.names else None
+    if f"{prefix}.int8_weight" in reader.names:
+        return quant.Int8WeightOnly(reader.take(f"{prefix}.int8_weight"), reader.take(f"{prefix}.scale"), bias)
+    prefill = reader.take(f"{prefix}.prefill") if f"{prefix}.prefill.qweight" in reader.names else None
     return quant.Int4Linear(reader.take(f"{prefix}.packed"), reader.take(f"{prefix}.scale_zero"), bias, out_features,
                             prefill)
 

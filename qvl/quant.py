@@ -3,10 +3,17 @@
 Measured on a quiet 2-core AVX2 EPYC (no AVX-512), one 2048x6144 linear, weights out of cache (`python -m qvl.bench`
 has the whole-model figures): decode (1 row) fp32 4.8 ms, bf16 2.3, fbgemm dynamic int8 0.80, int8 weight-only 1.5,
 int4 weight-only (group 128) 1.1; prefill (256 rows) fbgemm int8 216 GFLOP/s, fp32 78, int8/int4 weight-only ~46,
-bf16 19 (no bf16 instructions: bf16 matmuls are emulated). So on AVX2 fbgemm int8 wins both phases (`int8`). On
-AVX-512 BF16 CPUs (Zen 4/5, Sapphire Rapids) the int4 kernel decodes ~1.7x faster than fbgemm int8 (0.19 vs 0.32 ms
-for that linear, measured on a Zen 5): `int4` keeps an int4 copy of each text linear for decode and an fbgemm int8
-copy for prefill. The quantized modes stream the checkpoint tensor by tensor into an uninitialised skeleton and
+bf16 19 (no bf16 instructions: bf16 matmuls are emulated). So on AVX2 fbgemm int8 wins both phases (`int8`).
+
+On AVX-512 BF16 CPUs (Zen 4/5, Sapphire Rapids) bf16 is native, and `auto` is `w8a16` (Int8WeightOnly): the same int8
+weights, read by torch's int8 weight-only kernel for decode and a bf16 GEMM for prefill, with activations never
+quantized. Measured on a 2-core Zen 5 (`python -m qvl.bench --random-weights [--outliers] --rows ...`, README's
+Speed section): fbgemm int8 decodes ~1.1x as fast, but its activation quantization costs the logits 8.6 dB of SQNR
+on plain random weights and 16 dB where activations carry outliers; int4 (an int4 copy of each text linear for
+decode, an fbgemm int8 one for prefill) decodes ~1.8x as fast but its g128 weights keep 2 dB (`--linears`), and the
+two copies hold 0.38x fp32's memory. Both stay available by name.
+
+The quantized modes stream the checkpoint tensor by tensor into an uninitialised skeleton and
 convert each linear as it arrives, so loading never holds a full bf16 copy beside the quantized one (2B int8: 3.3 GB
 peak at load instead of 8.9 GB).
 
@@ -38,8 +45,8 @@ def resolve(mode: str, flags: frozenset[str] | None = None) -> str:
     if mode != "auto":
         return mode
     flags = cpu.flags() if flags is None else flags
-    if flags & {"BF16", "AMX"}:  # native bf16 dot products: the int4 decode kernel beats fbgemm int8
-        return "int4"
+    if flags & {"BF16", "AMX"}:  # native bf16 dot products: int8 weights without quantizing activations, at ~fbgemm speed
+        return "w8a16"
     # fbgemm needs AVX2; without it, it and the int4 kernel fall back to scalar loops slower than fp32.
     return "int8" if "AVX2" in flags else "fp32"
 
@@ -97,25 +104,34 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def _int8_rows(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32):
+    """w's symmetric int8 values and per-row scales (a row's peak is 127 levels), the scales rounded to scale_dtype
+    before dividing by them, as the kernel that reads them will.
+
+    Slices of ~1M values (4 MB in fp32), which stay in the CPU's caches between the passes over them, divided and
+    rounded in place, without a clamp (a row's peak over its scale rounds to 127 at most, a bf16-rounded scale
+    included: it is at most 2^-8 below the exact one): one 12288x2048 weight, one thread, Zen 1, 4 ns a value against
+    14 with 4096-row slices and out-of-place ops, which was more than fbgemm packing the weight takes.
+    """
+    scale = torch.empty(w.shape[0], dtype=torch.float32)
+    q = torch.empty(w.shape, dtype=torch.int8)
+    step = max(1, (1 << 20) // w.shape[1])
+    for i in range(0, w.shape[0], step):
+        rows = w[i:i + step].to(torch.float32, copy=True)  # a copy even of fp32 weights: divided in place below
+        rows_scale = rows.abs().amax(1).clamp_(min=1e-8).div_(127).to(scale_dtype).float()
+        scale[i:i + step] = rows_scale
+        q[i:i + step] = rows.div_(rows_scale[:, None]).round_()
+    return q, scale
+
+
 def _dynamic_int8(linear: nn.Linear) -> nn.Module:
     """fbgemm dynamic int8 (symmetric per-channel weights, activations quantized as they come, a scale per token).
 
     Quantized straight from bf16 in slices of rows: from_float() would first make an fp32 copy, 1.2 GB for the head.
     """
     w = linear.weight.detach()
-    scale = torch.empty(w.shape[0], dtype=torch.float64)
-    q = torch.empty(w.shape, dtype=torch.int8)
-    # Slices of ~1M values (4 MB in fp32), which stay in the CPU's caches between the passes over them, divided and
-    # rounded in place, without a clamp (a row's peak over its scale rounds to 127 at most): one 12288x2048 weight,
-    # one thread, Zen 1, 4 ns a value against 14 with 4096-row slices and out-of-place ops, which was more than
-    # packing the weight takes.
-    step = max(1, (1 << 20) // w.shape[1])
-    for i in range(0, w.shape[0], step):
-        rows = w[i:i + step].to(torch.float32, copy=True)  # a copy even of fp32 weights: divided in place below
-        rows_scale = rows.abs().amax(1).clamp_(min=1e-8).div_(127)
-        scale[i:i + step] = rows_scale
-        q[i:i + step] = rows.div_(rows_scale[:, None]).round_()
-    qweight = per_channel_qint8(q, scale, torch.zeros(w.shape[0], dtype=torch.long))
+    q, scale = _int8_rows(w)
+    qweight = per_channel_qint8(q, scale.double(), torch.zeros(w.shape[0], dtype=torch.long))
     del q  # a copy: freed before fbgemm packs a third one
     # In pieces, which fbgemm packs 2-2.5x faster per value; the engine settles them once it serves.
     return Int8Linear(qweight, None if linear.bias is None else linear.bias.detach().float(),
@@ -203,6 +219,44 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"pieces={len(self.parts)}")
+
+
+# Up to this many rows torch's int8 weight-only kernel wins; above, a bf16 GEMM on the weight converted to bf16 for
+# the call (one 6144x2048 linear, Zen 5: 1.3 against 1.9 ms at 16 rows, 3.3 against 2.6 at 32, 34 against 13 at 400).
+W8A16_ROWS = 16
+
+
+class Int8WeightOnly(nn.Module):
+    """w8a16: int8 weights (symmetric, a bf16 scale per row) and bf16 activations, which are never quantized.
+
+    For CPUs with bf16 dot products (AVX-512 BF16, AMX): fbgemm's dynamic int8 quantizes every activation, which
+    loses most of the model's precision where activations carry outliers, as real checkpoints' do. Here only the
+    weights are rounded: on the random 2B's text (`python -m qvl.bench --random-weights [--outliers] --linears`) the
+    logits keep 21.0 dB of SQNR against fbgemm int8's 12.4, and 13.8 against -2.2 with planted outliers, for a decode
+    row ~1.15x fbgemm's time (the same bytes: 0.50 against 0.44 ms for a 6144x2048 linear out of cache, Zen 5). The
+    scale multiplies each output column, so both paths compute the same products (within bf16 rounding).
+    """
+
+    def __init__(self, int8_weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = int8_weight.shape
+        self.register_buffer("int8_weight", int8_weight)
+        self.register_buffer("scale", scale)  # bf16: the kernel's own dtype, so both paths read the same scale
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear) -> "Int8WeightOnly":
+        q, scale = _int8_rows(linear.weight.detach(), torch.bfloat16)
+        return cls(q, scale.bfloat16(), None if linear.bias is None else linear.bias.detach().float())
+
+    def forward(self, x):
+        flat = x.reshape(-1, self.in_features).bfloat16()
+        if flat.shape[0] <= W8A16_ROWS:
+            y = torch._weight_int8pack_mm(flat, self.int8_weight, self.scale).float()
+        else:
+            y = F.linear(flat, self.int8_weight.to(torch.bfloat16)).float().mul_(self.scale.float())
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
 
 def _pack(qweight: torch.Tensor):
@@ -368,6 +422,10 @@ def _int4(name: str, linear: nn.Linear) -> nn.Module:
     return Int4Linear.quantize(linear, prefill=name != "lm_head")  # the head's prefill needs only the last row's logits
 
 
+def _w8a16(name: str, linear: nn.Linear) -> nn.Module:
+    return Int8WeightOnly.quantize(linear)
+
+
 def describe(mode: str) -> str:
     """The precision/quantization of a concrete mode, as the engine reports it (and puts in its identity)."""
     return {
@@ -375,6 +433,8 @@ def describe(mode: str) -> str:
         "int8": "int8: fbgemm dynamic int8 linears and head, a scale per token, embedding bf16",
         "int4": f"int4: vision fbgemm int8, text int4 g{GROUP} decode + int8 prefill, a scale per token, head int4, "
                 "embedding bf16",
+        "w8a16": "w8a16: int8 weights (a scale per row) with bf16 activations for every linear and the head, "
+                 "embedding bf16",
     }.get(mode, mode)
 
 
@@ -392,7 +452,7 @@ def load_model(source: str, mode: str, report=unreported):
         model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype).eval()
         lean.fuse(model)
         return model, describe(mode)
-    convert = _int8 if mode == "int8" else _int4
+    convert = {"int8": _int8, "int4": _int4, "w8a16": _w8a16}[mode]
     try:
         model = _load_converting(source, convert, report)
     except KeyError as e:  # a layout this loader does not know: convert after a whole bf16 load (more memory)

@@ -85,7 +85,7 @@ class Settings:
 _HELP = {
     "model": "hub id or local folder of a Qwen3-VL checkpoint",
     "require_model": "fail instead of falling back to the tiny offline model",
-    "quant": "weights: auto (fastest for this CPU), fp32, bf16, int8, int4",
+    "quant": "weights: auto (fastest for this CPU), fp32, bf16, int8, int4, w8a16",
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",
@@ -110,7 +110,7 @@ _HELP = {
     "cache_dir": "answer cache folder",
     "cache_size": "answer cache size limit, e.g. 500MB, 2GB; auto is 5% of the free disk, at most 2GB",
     "model_cache": "keep the quantized model on disk so later starts load it instead of converting the checkpoint "
-                   "(int8, int4; about the quantized model's size) (--no-model-cache turns it off)",
+                   "(int8, int4, w8a16; about the quantized model's size) (--no-model-cache turns it off)",
     "model_cache_dir": "folder of the kept quantized models",
     "kv_memory": "memory for the KV caches of recent conversations, so a follow-up, Regenerate or a new question "
                  "about a seen image prefills only what is new, e.g. 1GB; auto is an eighth of the RAM, at most 4GB; "
@@ -181,8 +181,8 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
     gen_names = {f.name for f in fields(GenParams)}
     gen = GenParams(**{k: v for k, v in args.items() if k in gen_names})
     settings = Settings(**{k: v for k, v in args.items() if k not in gen_names}, gen=gen)
-    if settings.quant not in ("auto", "fp32", "bf16", "int8", "int4"):
-        parser.error(f"--quant must be one of auto, fp32, bf16, int8, int4 (got {settings.quant!r})")
+    if settings.quant not in ("auto", "fp32", "bf16", "int8", "int4", "w8a16"):
+        parser.error(f"--quant must be one of auto, fp32, bf16, int8, int4, w8a16 (got {settings.quant!r})")
     for name in ("kv_memory", "feature_cache_size"):
         try:
             if getattr(settings, name) != "auto":

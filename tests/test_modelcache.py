@@ -45,7 +45,7 @@ def converting(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a16"])
 def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_path, mode, converting, caplog):
     caplog.set_level(logging.INFO, "qvl")
     store = ["--model-cache-dir", str(tmp_path / "models")]
@@ -82,7 +82,7 @@ def _settings(tiny_dir, mode, *flags):
                            *flags], env={})
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a16"])
 def test_a_start_handed_the_read_ahead_assembles_from_it_and_answers_the_same(tiny_dir, tmp_path, mode, monkeypatch):
     store = ["--model-cache-dir", str(tmp_path)]
     want = _answer(_start(tiny_dir, mode, *store))

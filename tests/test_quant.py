@@ -11,8 +11,8 @@ from qvl.settings import GenParams
 @pytest.mark.parametrize("flags, mode", [
     (frozenset({"AVX2"}), "int8"),
     (frozenset({"AVX2", "AVX-512", "VNNI"}), "int8"),
-    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16"}), "int4"),
-    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16", "AMX"}), "int4"),
+    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16"}), "w8a16"),
+    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16", "AMX"}), "w8a16"),
     (frozenset(), "fp32"),
 ])
 def test_auto_resolves_to_a_concrete_mode_for_the_cpu_flags(flags, mode):
@@ -20,7 +20,7 @@ def test_auto_resolves_to_a_concrete_mode_for_the_cpu_flags(flags, mode):
     assert quant.resolve("int8", flags) == "int8"  # an explicit mode is never overridden
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "auto"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "auto"])
 def test_every_mode_loads_and_answers_through_the_engine(tiny_dir, mode):
     flags = ["--model", str(tiny_dir), "--quant", mode, "--no-cache", "--no-model-cache"]
     engine = Engine(settings.parse(flags, env={}))
@@ -39,6 +39,27 @@ def test_int4_linear_stays_close_to_the_float_layer():
         assert got.shape == linear(rows).shape
         assert (got - linear(rows)).norm() / linear(rows).norm() < 0.1
     assert not torch.allclose(quant.Int4Linear.quantize(linear, prefill=False)(x), want, atol=1e-6)  # it is quantized
+
+
+def test_w8a16_decode_kernel_and_prefill_gemm_compute_the_int8_weights_exactly_read(monkeypatch):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 48, bias=True)
+    w8a16 = quant.Int8WeightOnly.quantize(linear)
+    assert w8a16.int8_weight.dtype == torch.int8 and w8a16.scale.dtype == torch.bfloat16
+    exact = w8a16.int8_weight.float() * w8a16.scale.float()[:, None]  # the weights as stored, read exactly
+    assert (exact - linear.weight).abs().max() <= w8a16.scale.float().max() / 2 * 1.01  # rounded, never clamped
+    kernel = []
+    real = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: kernel.append(a[0].shape[0]) or real(*a))
+    x = torch.randn(1, 40, 256)  # more rows than W8A16_ROWS: the bf16 GEMM
+    together = w8a16(x)
+    assert kernel == []
+    one_by_one = torch.cat([w8a16(x[:, i:i + 1]) for i in range(x.shape[1])], 1)  # one row: the int8 kernel
+    assert kernel == [1] * x.shape[1]
+    want = torch.nn.functional.linear(x, exact, linear.bias)
+    for got in (together, one_by_one):  # bf16 activations and outputs: within bf16's rounding of the exact product
+        assert (got - want).norm() / want.norm() < 0.01
+    assert (together - one_by_one).norm() / want.norm() < 0.01
 
 
 def test_int8_gives_each_prompt_token_a_scale_of_its_own():
