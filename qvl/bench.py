@@ -10,7 +10,8 @@
 
 Standard request: one 640x480 photo-like image (300 image tokens), a one-sentence question, 64 new tokens forced
 (greedy, min_new_tokens = max_new_tokens = 64), one warm-up, then --runs timed runs (medians reported). Fidelity is
-measured teacher-forced over the fp32 row's answer, so the `fp32` row must run first for the other rows to get it.
+measured teacher-forced over the fp32 row's answer, through the prefill and the decode steps as an answer is made, so
+the `fp32` row must run first for the other rows to get it.
 Random weights give near-uniform logits: their top-1 agreement says little, and real-weight quality is only
 measured when real weights are given with --model. --outliers plants the activation outliers of real checkpoints
 (a few hidden channels 32-64x the rest in every text linear's input, which a per-tensor activation scale punishes)
@@ -62,6 +63,7 @@ ROWS = {
     "bf16+compile": ("bf16", {}, []),
     "int8": ("int8", {}, []),
     "int4": ("int4", {}, []),
+    "w8a16": ("w8a16", {}, []),
     "auto": ("auto", {}, []),
     # A second start of auto: it reads the converted model the auto row kept, so it must run after that row.
     "auto-warm": ("auto", {}, []),
@@ -285,16 +287,17 @@ def fidelity(logits: torch.Tensor, reference: torch.Tensor) -> dict:
     return {"sqnr_db": sqnr, "kl": kl, "top1_agreement": top1}
 
 
-def teacher_forced_logits(engine, inputs: dict, answer: list[int]) -> torch.Tensor:
-    """Logits predicting each answer token, with the prompt and the given answer as input."""
-    extra = torch.tensor([answer[:-1]])
-    forced = dict(inputs, input_ids=torch.cat([inputs["input_ids"], extra], 1))
-    for key in ("attention_mask", "mm_token_type_ids"):
-        if key in inputs:
-            fill = torch.ones_like(extra) if key == "attention_mask" else torch.zeros_like(extra)
-            forced[key] = torch.cat([inputs[key], fill.to(inputs[key].dtype)], 1)
+def teacher_forced_logits(model, inputs: dict, answer: list[int]) -> torch.Tensor:
+    """Logits predicting each answer token, fed the given answer, the way an answer is generated: the prompt's
+    prefill gives the first row, a lean decode step each next one. One forward over prompt and answer would measure
+    the prefill's kernels only, where int4 decodes with other weights (its int8 twin prefills)."""
     with torch.inference_mode():
-        return engine.model(**forced, logits_to_keep=len(answer)).logits[0].float()
+        out = generate._forward(model, **inputs)
+        decoder = lean.Decoder(model, out.cache, len(answer))
+        try:
+            return torch.stack([out.logits[0, -1], *(decoder.step(token) for token in answer[:-1])]).float()
+        finally:
+            decoder.close()
 
 
 def scenarios(engine, names, params) -> list[dict]:
@@ -322,8 +325,9 @@ def step_split(model, prompt_tokens: int, steps: int = 12) -> dict:
     text = model.model.language_model
     linears = [m for layer in text.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
-    outputs = [torch.randn(1, 1, m.out_features) * 0.1 for m in linears]
     with torch.inference_mode():
+        dtype = text.embed_tokens(torch.tensor([[0]])).dtype  # the linears' output: bf16 in a bf16 model
+        outputs = [torch.randn(1, 1, m.out_features, dtype=dtype) * 0.1 for m in linears]
         prefill = generate._forward(model, input_ids=torch.randint(0, 256, (1, prompt_tokens)))
         full, stubbed = (lean.Decoder(model, prefill.cache, steps + 2) for _ in range(2))
         full.step(7)
@@ -394,12 +398,16 @@ def _onednn_int8(linear: torch.nn.Linear):
         torch.backends.quantized.engine = engine
 
 
-# How --linears computes every text linear and the head, each against fp32.
+# How --linears computes every text linear and the head (a _Ways: the fp32 linear and its quantized forms), each
+# against fp32. The int4 and int8 weight-only kernels take bf16 activations (fast where the CPU has bf16 dot products).
 LINEAR_WAYS = {
-    "int8 (qvl: a scale per token)": lambda linear, int8, x: int8(x),
-    "int8, one scale per call": lambda linear, int8, x: int8._matmul(x),  # fbgemm's own call, as qvl had it
-    "int8 weights, fp32 activations": lambda linear, int8, x: torch.nn.functional.linear(x, int8.weight().dequantize()),
-    "bf16": lambda linear, int8, x: torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16()).float(),
+    "int8 (qvl: a scale per token)": lambda m, x: m.int8(x),
+    "int8, one scale per call": lambda m, x: m.int8._matmul(x),  # fbgemm's own call, as qvl had it
+    "int8 weights, fp32 activations": lambda m, x: torch.nn.functional.linear(x, m.int8.weight().dequantize()),
+    "int8 weights, bf16 activations": lambda m, x: torch._weight_int8pack_mm(
+        x.reshape(-1, m.linear.in_features).bfloat16(), *m.int8_weight_only).float().reshape(*x.shape[:-1], -1),
+    f"int4 g{quant.GROUP} weights, bf16 activations": lambda m, x: m.int4(x),
+    "bf16": lambda m, x: torch.nn.functional.linear(x.bfloat16(), m.linear.weight.bfloat16()).float(),
 }
 
 
@@ -409,9 +417,12 @@ class _Ways(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.linear, self.int8, self.way = linear, quant._dynamic_int8(linear), None
+        self.int4 = quant.Int4Linear.quantize(linear, prefill=False)  # int4 for every row count, as it decodes
+        weight = self.int8.weight()
+        self.int8_weight_only = (weight.int_repr(), weight.q_per_channel_scales().bfloat16())
 
     def forward(self, x):
-        return self.linear(x) if self.way is None else LINEAR_WAYS[self.way](self.linear, self.int8, x)
+        return self.linear(x) if self.way is None else LINEAR_WAYS[self.way](self, x)
 
 
 def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
@@ -474,7 +485,7 @@ def child(args, ahead: modelcache.Reader | None):
     reference = Path(args.reference)
     if args.child == "fp32":
         ids = list(generate.stream(engine.model, inputs, params, threading.Event()))
-        torch.save({"ids": ids, "logits": teacher_forced_logits(engine, inputs, ids)}, reference)
+        torch.save({"ids": ids, "logits": teacher_forced_logits(engine.model, inputs, ids)}, reference)
     row = {
         "name": args.child, "precision": engine.precision, "threads": engine.threads,
         "ready_s": ready_s, "settled_s": settled_s, "load_s": load_s, "read_ahead": ahead is not None,
@@ -488,7 +499,7 @@ def child(args, ahead: modelcache.Reader | None):
         row["scenarios"] = memory
     if reference.exists():
         ref = torch.load(reference)
-        row.update(fidelity(teacher_forced_logits(engine, inputs, ref["ids"]), ref["logits"]))
+        row.update(fidelity(teacher_forced_logits(engine.model, inputs, ref["ids"]), ref["logits"]))
     row["peak_rss_gb"] = peak_rss_gb
     Path(args.out).write_text(json.dumps(row))
     shutil.rmtree(features, ignore_errors=True)
