@@ -432,7 +432,7 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
     int8 weights with fp32 activations bounds what any activation remedy (per-token or finer scales, outlier
     columns, rotations) can reach with these int8 weights; bf16 is what the issue's target is set against.
     """
-    model, _ = quant.load_model(folder, "fp32")
+    model = quant.load_model(folder, "fp32")
     ways = []
     for name, module in list(model.named_modules()):
         if isinstance(module, torch.nn.Linear) and not name.startswith("model.visual."):

@@ -105,7 +105,7 @@ def read_ahead(settings) -> "Reader | None":
 
 def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reader | None" = None,
          report=quant.unreported):
-    """(model, keep): quant.load_model(source, mode, report)'s model, read from the model cache in folder when it
+    """(model, keep): quant.load_model(source, mode, report), read from the model cache in folder when it
     holds this model (None: off), through ahead when that is reading this model's file.
 
     keep is None, or, after converting, keep(go_on) writes the converted model to the model cache: fbgemm unpacks
@@ -117,7 +117,7 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
         ahead.close()  # not what this start loads after all
         ahead = None
     if folder is None or mode in ("fp32", "bf16"):
-        return quant.load_model(source, mode, report)[0], None
+        return quant.load_model(source, mode, report), None
     if file.exists():
         try:
             model = _read(ahead or Reader(file, want), source, report)
@@ -128,7 +128,7 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
             log.warning("ignoring the model cache file %s (%s: %s); converting the checkpoint again",
                         file, type(e).__name__, str(e)[:200])
     log.info("converting the checkpoint to %s: minutes on a few cores, once (later starts read %s)", mode, file)
-    model = quant.load_model(source, mode, report)[0]
+    model = quant.load_model(source, mode, report)
 
     def keep(go_on):
         try:

@@ -438,9 +438,9 @@ def describe(mode: str) -> str:
     }.get(mode, mode)
 
 
-def load_model(source: str, mode: str, report=unreported):
-    """Load source (a checkpoint folder) in `mode`; return (model, description of precision/quantization). report is
-    told how far it is, as unreported is."""
+def load_model(source: str, mode: str, report=unreported) -> nn.Module:
+    """The model of source (a checkpoint folder) in `mode` (describe() says what that is); report is told how far it
+    is, as unreported is."""
     from transformers import AutoModelForImageTextToText
 
     from qvl import lean
@@ -451,7 +451,7 @@ def load_model(source: str, mode: str, report=unreported):
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
         model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype).eval()
         lean.fuse(model)
-        return model, describe(mode)
+        return model
     convert = {"int8": _int8, "int4": _int4, "w8a16": _w8a16}[mode]
     try:
         model = _load_converting(source, convert, report)
@@ -466,4 +466,4 @@ def load_model(source: str, mode: str, report=unreported):
     # bf16 gather (fp32 would add 1.2 GB for a lookup of one row per token).
     text.embed_tokens = Bf16Embedding(text.embed_tokens.weight)
     _float_rest(model)
-    return model, describe(mode)
+    return model

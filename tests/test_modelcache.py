@@ -210,7 +210,7 @@ def test_a_first_start_converts_into_pieces_then_keeps_and_settles_what_a_whole_
         tiny_dir, tmp_path, monkeypatch):
     whole = _start(tiny_dir, "int8", "--model-cache-dir", str(tmp_path / "whole"))  # the tiny linears: one piece each
     monkeypatch.setattr(quant, "PIECE", 64 * 24)  # pieces of a few rows, as the 2B's linears are packed
-    converted, _ = quant.load_model(str(tiny_dir), "int8")
+    converted = quant.load_model(str(tiny_dir), "int8")
     assert sum(len(m.parts) > 1 for m in converted.modules() if isinstance(m, quant.Int8Linear)) > 10
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
     with torch.inference_mode():
@@ -331,7 +331,7 @@ def test_an_exit_while_the_converted_model_is_kept_stops_the_write_and_leaves_no
 
 
 def test_a_crash_mid_write_leaves_no_file_a_later_start_trusts(tiny_dir, tmp_path, monkeypatch):
-    model, _ = quant.load_model(str(tiny_dir), "int8")
+    model = quant.load_model(str(tiny_dir), "int8")
     file = modelcache.path(str(tmp_path), "v", "int8")
     monkeypatch.setattr(modelcache.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(OSError):
@@ -341,9 +341,9 @@ def test_a_crash_mid_write_leaves_no_file_a_later_start_trusts(tiny_dir, tmp_pat
 
 def test_keeping_a_model_unpacks_its_int8_weights_a_piece_at_a_time(tiny_dir, tmp_path, monkeypatch):
     # Unpacked whole and joined, the 2B's head held 0.9 GB more for a moment, the peak of a first start.
-    whole, _ = quant.load_model(str(tiny_dir), "int8")  # the tiny linears: one piece each
+    whole = quant.load_model(str(tiny_dir), "int8")  # the tiny linears: one piece each
     monkeypatch.setattr(quant, "PIECE", 64 * 24)
-    model, _ = quant.load_model(str(tiny_dir), "int8")
+    model = quant.load_model(str(tiny_dir), "int8")
     alive, counts, real = weakref.WeakSet(), [], quant.Int8Linear.pieces
 
     def pieces(self):
@@ -361,7 +361,7 @@ def test_keeping_a_model_unpacks_its_int8_weights_a_piece_at_a_time(tiny_dir, tm
 
 
 def test_a_write_removes_what_writes_by_processes_that_are_gone_left(tiny_dir, tmp_path):
-    model, _ = quant.load_model(str(tiny_dir), "int8")
+    model = quant.load_model(str(tiny_dir), "int8")
     file = modelcache.path(str(tmp_path), "v", "int8")
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, live = (file.with_name(f"{file.name}.{pid}.tmp") for pid in (gone.stdout.strip(), os.getppid()))

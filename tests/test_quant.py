@@ -141,7 +141,7 @@ def _sharp(model):
 
 def test_lean_decode_loop_matches_hf_generate_greedily(tiny_dir, engine):
     from PIL import Image
-    model = _sharp(quant.load_model(str(tiny_dir), "fp32")[0])
+    model = _sharp(quant.load_model(str(tiny_dir), "fp32"))
     image = Image.radial_gradient("L").convert("RGB").resize((96, 64))
     inputs, _ = engine._inputs([Turn("user", "what is this?", (image,))], GenParams())
     params = GenParams(greedy=True, max_new_tokens=16, min_new_tokens=16)
@@ -152,7 +152,7 @@ def test_lean_decode_loop_matches_hf_generate_greedily(tiny_dir, engine):
 
 
 def test_sampling_is_reproducible_per_seed_and_stops_at_eos(tiny_dir, engine):
-    model = _sharp(quant.load_model(str(tiny_dir), "fp32")[0])
+    model = _sharp(quant.load_model(str(tiny_dir), "fp32"))
     inputs, _ = engine._inputs([Turn("user", "hello there")], GenParams())
     eos = model.generation_config.eos_token_id
     run = lambda seed: list(generate.stream(model, inputs, GenParams(seed=seed, max_new_tokens=40), threading.Event()))
@@ -210,8 +210,8 @@ def test_an_unknown_checkpoint_layout_is_loaded_whole_instead(tiny_dir, tmp_path
     save_file({**weights, "model.extra_projection.weight": torch.zeros(2, 2)}, tmp_path / "odd" / "model.safetensors")
     with pytest.raises(KeyError, match="extra_projection"):
         quant._load_converting(str(tmp_path / "odd"), quant._int8)
-    model, precision = quant.load_model(str(tmp_path / "odd"), "int8")
-    assert "loading the checkpoint whole" in caplog.text and precision.startswith("int8")
+    model = quant.load_model(str(tmp_path / "odd"), "int8")
+    assert "loading the checkpoint whole" in caplog.text and isinstance(model.lm_head, quant.Int8Linear)
     assert _logits(model).shape[-1] == model.config.text_config.vocab_size
 
 
