@@ -499,7 +499,8 @@ def child(args, ahead: modelcache.Reader | None):
         row["scenarios"] = memory
     if reference.exists():
         ref = torch.load(reference)
-        row.update(fidelity(teacher_forced_logits(engine.model, inputs, ref["ids"]), ref["logits"]))
+        logits = teacher_forced_logits(engine.model, inputs, ref["ids"])
+        row.update(fidelity(logits, ref["logits"]))
     row["peak_rss_gb"] = peak_rss_gb
     Path(args.out).write_text(json.dumps(row))
     shutil.rmtree(features, ignore_errors=True)

@@ -6,7 +6,8 @@ them back. fp32 and bf16 load the checkpoint as it is, so they have nothing to k
 
 What is stored, as plain tensors (safetensors, never unpickled): for an fbgemm int8 linear its int8 weight, per-row
 scales and zero points and its bias (fbgemm packs its own layout at load, a fraction of converting); for an int4
-linear its packed weight, scales and zeros; for a w8a16 linear its int8 weight and scales; everything else (bf16 token table, fp32 norms) as the model holds it.
+linear its packed weight, scales and zeros; for a w8a16 linear its int8 weight and scales, used as they are read;
+everything else (bf16 token table, fp32 norms) as the model holds it.
 The file's metadata holds the key, what makes it valid: the checkpoint's weights version, the mode, LAYOUT and the
 torch version, and a CRC-32 of the data. A file whose key differs, or that is truncated or corrupted, is ignored
 with one log line and written again; one that cannot be written (disk full, read-only folder) is logged, and the
