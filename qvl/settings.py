@@ -85,7 +85,8 @@ class Settings:
 _HELP = {
     "model": "hub id or local folder of a Qwen3-VL checkpoint",
     "require_model": "fail instead of falling back to the tiny offline model",
-    "quant": "weights: auto (fastest for this CPU), fp32, bf16, int8, int4, w8a16",
+    "quant": "weights: auto (int8 on AVX2; w8a16, activations never quantized, where bf16 is native), fp32, bf16, "
+             "int8, int4, w8a16",
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",
