@@ -447,6 +447,9 @@ def load_model(source: str, mode: str, report=unreported) -> nn.Module:
     from qvl import lean
 
     mode = resolve(mode)
+    if mode in ("bf16", "w8a16") and not cpu.flags() & {"BF16", "AMX"}:
+        log.warning("--quant %s on a CPU without bf16 instructions: its bf16 matmuls are emulated, several times "
+                    "slower than int8 (what auto picks here)", mode)
     if mode in ("fp32", "bf16"):
         report("loading", None)  # transformers' own load says nothing until it is done
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16

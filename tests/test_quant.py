@@ -29,6 +29,16 @@ def test_every_mode_loads_and_answers_through_the_engine(tiny_dir, mode):
     assert stats.new_tokens == 5
 
 
+@pytest.mark.parametrize("flags, warned", [(frozenset({"AVX2"}), True), (frozenset({"AVX2", "BF16"}), False)])
+def test_bf16_matmuls_without_bf16_instructions_are_warned_of(tiny_dir, monkeypatch, caplog, flags, warned):
+    monkeypatch.setattr(quant.cpu, "flags", lambda: flags)
+    quant.load_model(str(tiny_dir), "w8a16")
+    assert ("emulated" in caplog.text) == warned
+    caplog.clear()
+    quant.load_model(str(tiny_dir), "int8")
+    assert "emulated" not in caplog.text
+
+
 def test_int4_linear_stays_close_to_the_float_layer():
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 48, bias=True)
