@@ -122,7 +122,11 @@ class Engine:
         self.folder = _local_copy(source)
         self.processor = ImageOnlyProcessor.from_pretrained(self.folder, backend="pil")
         self.weights = modelcache.weights_version(self.folder)
-        self.precision = quant.describe(quant.resolve(self.settings.quant))
+        mode = quant.resolve(self.settings.quant)
+        if mode in ("bf16", "w8a16") and not quant.native_bf16():  # said on every start, converting or not
+            log.warning("--quant %s on a CPU without bf16 instructions: its bf16 matmuls are emulated, several times "
+                        "slower than int8 (what auto picks here)", mode)
+        self.precision = quant.describe(mode)
         self.model_id = source
         limit = AutoConfig.from_pretrained(self.folder).text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context, limit)

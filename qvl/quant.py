@@ -45,10 +45,16 @@ def resolve(mode: str, flags: frozenset[str] | None = None) -> str:
     if mode != "auto":
         return mode
     flags = cpu.flags() if flags is None else flags
-    if flags & {"BF16", "AMX"}:  # native bf16: int8 weights, activations kept (quality), ~0.7x fbgemm's decode
+    if native_bf16(flags):  # int8 weights, activations kept (quality), ~0.7x fbgemm's decode
         return "w8a16"
     # fbgemm needs AVX2; without it, it and the int4 kernel fall back to scalar loops slower than fp32.
     return "int8" if "AVX2" in flags else "fp32"
+
+
+def native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether a CPU with these instruction sets (default: this CPU's) computes bf16 dot products in hardware; without
+    them bf16 matmuls are emulated, several times slower than fbgemm's int8."""
+    return bool((cpu.flags() if flags is None else flags) & {"BF16", "AMX"})
 
 
 class Bf16Embedding(nn.Module):
@@ -447,9 +453,6 @@ def load_model(source: str, mode: str, report=unreported) -> nn.Module:
     from qvl import lean
 
     mode = resolve(mode)
-    if mode in ("bf16", "w8a16") and not cpu.flags() & {"BF16", "AMX"}:
-        log.warning("--quant %s on a CPU without bf16 instructions: its bf16 matmuls are emulated, several times "
-                    "slower than int8 (what auto picks here)", mode)
     if mode in ("fp32", "bf16"):
         report("loading", None)  # transformers' own load says nothing until it is done
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16

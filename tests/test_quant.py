@@ -1,3 +1,4 @@
+import logging
 import threading
 
 import pytest
@@ -30,12 +31,18 @@ def test_every_mode_loads_and_answers_through_the_engine(tiny_dir, mode):
 
 
 @pytest.mark.parametrize("flags, warned", [(frozenset({"AVX2"}), True), (frozenset({"AVX2", "BF16"}), False)])
-def test_bf16_matmuls_without_bf16_instructions_are_warned_of(tiny_dir, monkeypatch, caplog, flags, warned):
+def test_bf16_matmuls_without_bf16_instructions_are_warned_of(tiny_dir, tmp_path, monkeypatch, caplog, flags, warned):
+    caplog.set_level(logging.INFO, "qvl")
     monkeypatch.setattr(quant.cpu, "flags", lambda: flags)
-    quant.load_model(str(tiny_dir), "w8a16")
-    assert ("emulated" in caplog.text) == warned
+    store = ["--model-cache-dir", str(tmp_path)]
+    for start in ("converting", "reading the model cache"):
+        caplog.clear()
+        engine = Engine(settings.parse(["--model", str(tiny_dir), "--quant", "w8a16", "--no-cache", *store], env={}))
+        assert ("emulated" in caplog.text) == warned, start
+        assert ("from the model cache" in caplog.text) == (start != "converting")
+        engine.settled.wait(60)  # the first start keeps its model for the second to read
     caplog.clear()
-    quant.load_model(str(tiny_dir), "int8")
+    Engine(settings.parse(["--model", str(tiny_dir), "--quant", "int8", "--no-cache", *store], env={}))
     assert "emulated" not in caplog.text
 
 
