@@ -210,15 +210,15 @@ def _write(file: Path, model: nn.Module, want: dict, go_on=lambda: True) -> bool
             for name, chunks in _tensors(model):
                 if not go_on():
                     return False
-                want, rows = header[name], 0
+                meta, rows = header[name], 0
                 for chunk in [chunks] if isinstance(chunks, torch.Tensor) else chunks:
-                    if (_NAMES[chunk.dtype], list(chunk.shape[1:])) != (want["dtype"], want["shape"][1:]):
+                    if (_NAMES[chunk.dtype], list(chunk.shape[1:])) != (meta["dtype"], meta["shape"][1:]):
                         raise ValueError(f"{name} is not what the header says")
                     rows += chunk.shape[0] if chunk.dim() else 1
                     data = chunk.contiguous().reshape(-1).view(torch.uint8).numpy()
                     crc = zlib.crc32(data, crc)
                     f.write(data)
-                if rows != (want["shape"][0] if want["shape"] else 1):
+                if rows != (meta["shape"][0] if meta["shape"] else 1):
                     raise ValueError(f"{name} is not what the header says")
             f.seek(8)
             f.write(text.replace(b'"crc32": "00000000"', f'"crc32": "{crc:08x}"'.encode()))
