@@ -404,8 +404,7 @@ LINEAR_WAYS = {
     "int8 (qvl: a scale per token)": lambda m, x: m.int8(x),
     "int8, one scale per call": lambda m, x: m.int8._matmul(x),  # fbgemm's own call, as qvl had it
     "int8 weights, fp32 activations": lambda m, x: torch.nn.functional.linear(x, m.int8.weight().dequantize()),
-    "int8 weights, bf16 activations": lambda m, x: torch._weight_int8pack_mm(
-        x.reshape(-1, m.linear.in_features).bfloat16(), *m.int8_weight_only).float().reshape(*x.shape[:-1], -1),
+    "int8 weights, bf16 activations": lambda m, x: m.w8a16(x),
     f"int4 g{quant.GROUP} weights, bf16 activations": lambda m, x: m.int4(x),
     "bf16": lambda m, x: torch.nn.functional.linear(x.bfloat16(), m.linear.weight.bfloat16()).float(),
 }
@@ -418,8 +417,7 @@ class _Ways(torch.nn.Module):
         super().__init__()
         self.linear, self.int8, self.way = linear, quant._dynamic_int8(linear), None
         self.int4 = quant.Int4Linear.quantize(linear, prefill=False)  # int4 for every row count, as it decodes
-        weight = self.int8.weight()
-        self.int8_weight_only = (weight.int_repr(), weight.q_per_channel_scales().bfloat16())
+        self.w8a16 = quant.Int8WeightOnly.quantize(linear)
 
     def forward(self, x):
         return self.linear(x) if self.way is None else LINEAR_WAYS[self.way](self, x)
