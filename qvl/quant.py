@@ -8,7 +8,7 @@ bf16 19 (no bf16 instructions: bf16 matmuls are emulated). So on AVX2 fbgemm int
 On AVX-512 BF16 CPUs (Zen 4/5, Sapphire Rapids) bf16 is native, and `auto` is `w8a16` (Int8WeightOnly): the same int8
 weights, read by torch's int8 weight-only kernel for decode and a bf16 GEMM for prefill, with activations never
 quantized. Measured on a 2-core Zen 5 (`python -m qvl.bench --random-weights [--outliers] --rows ...`, README's
-Speed section): fbgemm int8 decodes ~1.4x as fast, but its activation quantization costs the logits 8.6 dB of SQNR
+Speed section): fbgemm int8 decodes ~1.4x as fast, but its activation quantization costs the logits 8.7 dB of SQNR
 on plain random weights and 16 dB where activations carry outliers; int4 (an int4 copy of each text linear for
 decode, an fbgemm int8 one for prefill) decodes ~1.8x as fast but its g128 weights keep 2 dB (`--linears`), and the
 two copies hold 0.38x fp32's memory. Both stay available by name.
@@ -238,7 +238,7 @@ class Int8WeightOnly(nn.Module):
     For CPUs with bf16 dot products (AVX-512 BF16, AMX): fbgemm's dynamic int8 quantizes every activation, which
     loses most of the model's precision where activations carry outliers, as real checkpoints' do. Here only the
     weights are rounded: on the random 2B's text (`python -m qvl.bench --random-weights [--outliers] --linears`) the
-    logits keep 21.0 dB of SQNR against fbgemm int8's 12.4, and 13.8 against -2.2 with planted outliers, for a decode
+    logits keep 21.1 dB of SQNR against fbgemm int8's 12.4, and 13.8 against -2.2 with planted outliers, for a decode
     step ~1.3x fbgemm's (the same bytes, read slower: 0.50 against 0.44 ms for a 6144x2048 linear out of cache, 83
     against 65 ms for the 2B's step; Zen 5). The scale multiplies each output column, so both paths compute the same
     products (within bf16 rounding).
