@@ -401,7 +401,8 @@ def _onednn_int8(linear: torch.nn.Linear):
 # How --linears computes every text linear and the head (a _Ways: the fp32 linear and its quantized forms), each
 # against fp32. The int4 and int8 weight-only kernels take bf16 activations (fast where the CPU has bf16 dot products).
 LINEAR_WAYS = {
-    "int8 (qvl: a scale per token)": lambda m, x: m.int8(x),
+    "int8, a scale per token, loud channels apart (`int8`)": lambda m, x: m.apart(x),
+    "int8, a scale per token": lambda m, x: m.int8(x),
     "int8, one scale per call": lambda m, x: m.int8._matmul(x),  # fbgemm's own call, as qvl had it
     "int8 weights, fp32 activations": lambda m, x: torch.nn.functional.linear(x, m.int8.weight().dequantize()),
     "int8 weights, bf16 activations": lambda m, x: m.w8a16(x),
@@ -416,6 +417,7 @@ class _Ways(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.linear, self.int8, self.way = linear, quant._dynamic_int8(linear), None
+        self.apart = quant._dynamic_int8(linear)  # its loud channels set apart by linears()
         self.int4 = quant.Int4Linear.quantize(linear, prefill=False)  # int4 for every row count, as it decodes
         self.w8a16 = quant.Int8WeightOnly.quantize(linear)
 
@@ -443,6 +445,10 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
             module.way = way
         with torch.inference_mode():
             return model(input_ids=ids, logits_to_keep=kept).logits[0].float()
+
+    for module in ways:  # calibrated as a conversion calibrates: through the quantized linears
+        module.way = next(iter(LINEAR_WAYS))
+    quant.set_loud_channels_apart(model, folder)
 
     reference = logits(None)
     return [{"way": way, **fidelity(logits(way), reference)} for way in LINEAR_WAYS]

@@ -5,9 +5,9 @@ written once, per checkpoint and mode, to MODE-WEIGHTS.safetensors in the model 
 them back. fp32 and bf16 load the checkpoint as it is, so they have nothing to keep.
 
 What is stored, as plain tensors (safetensors, never unpickled): for an fbgemm int8 linear its int8 weight, per-row
-scales and zero points and its bias (fbgemm packs its own layout at load, a fraction of converting); for an int4
-linear its packed weight, scales and zeros; for a w8a16 linear its int8 weight and scales, used as they are read;
-everything else (bf16 token table, fp32 norms) as the model holds it.
+scales and zero points, its bias and the loud input channels it computes apart (fbgemm packs its own layout at load,
+a fraction of converting); for an int4 linear its packed weight, scales and zeros; for a w8a16 linear its int8 weight
+and scales, used as they are read; everything else (bf16 token table, fp32 norms) as the model holds it.
 The file's metadata holds the key, what makes it valid: the checkpoint's weights version, the mode, LAYOUT and the
 torch version, and a CRC-32 of the data. A file whose key differs, or that is truncated or corrupted, is ignored
 with one log line and written again; one that cannot be written (disk full, read-only folder) is logged, and the
@@ -49,7 +49,7 @@ log = logging.getLogger("qvl")
 # A module in more pieces than this (over half a second of packing on one core here) is packed by all the reader's
 # workers at once; smaller ones are packed one per worker (more threads would only take cores from the imports).
 MANY_PIECES = 12
-LAYOUT = "2"  # what is stored for each module: change it whenever that changes, so older files are rebuilt
+LAYOUT = "3"  # what is stored for each module: change it whenever that changes, so older files are rebuilt
 _NAMES = {dtype: name for name, dtype in quant.DTYPES.items()}
 
 
@@ -169,6 +169,8 @@ def _tensors(model: nn.Module, data: bool = True):
                 parts = [torch.empty(size, dtype=dtype, device="meta")
                          for size, dtype in [(shape, torch.int8), (rows, torch.float64), (rows, torch.int64)]]
             yield from zip([f"{prefix}.qweight", f"{prefix}.scale", f"{prefix}.zero_point"], parts)
+            if module.apart is not None:  # its columns are the stored weight's: rebuilt at load
+                yield f"{prefix}.apart", module.apart
             if module.bias is not None:
                 yield f"{prefix}.bias", module.bias.detach()
             continue
@@ -370,11 +372,11 @@ def _linear(reader: Reader, prefix: str, out_features: int) -> nn.Module:
 def _fbgemm(tensors: dict, prefix: str, workers: int) -> nn.Module:
     weight = quant.per_channel_qint8(
         tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.zero_point"))
-    bias = tensors.pop(f"{prefix}.bias", None)
+    bias, apart = tensors.pop(f"{prefix}.bias", None), tensors.pop(f"{prefix}.apart", None)
     # In pieces, which fbgemm packs faster; the engine settles them into whole linears once it is serving.
     rows = max(1, quant.PIECE // weight.shape[1])
     if weight.shape[0] <= rows * MANY_PIECES:  # the modules packed beside it keep the other cores busy
-        return quant.Int8Linear(weight, bias, rows=rows)
+        return quant.Int8Linear(weight, bias, rows=rows, apart=apart)
     # The 2B's head, 75 pieces and last in the file, was the last ~3 s of a start on one core, the other one idle.
     with ThreadPoolExecutor(workers, thread_name_prefix="pack", initializer=cpu.background) as pool:
-        return quant.Int8Linear(weight, bias, rows=rows, pack=pool.map)
+        return quant.Int8Linear(weight, bias, rows=rows, pack=pool.map, apart=apart)

@@ -5,14 +5,59 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from qvl import settings, stress, tiny
+from qvl import bench, settings, stress, tiny
 from qvl.engine import Engine
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return tiny.build(tmp_path_factory.mktemp("tiny"))
+
+
+def _small_model(seed=0):
+    """The tiny checkpoint's classes at a width where residual outliers behave as at 2B (layers' writes dwarf the
+    token table's entries): 512 hidden, 2 layers, fp32."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=300, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
+                         rope_parameters=dict(rope_type="default", rope_theta=5000000, mrope_section=[8, 12, 12],
+                                              mrope_interleaved=True)),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=512,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0], patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return Qwen3VLForConditionalGeneration(config).eval()
+
+
+@pytest.fixture(scope="session")
+def small_model():
+    """small_model(seed=0): a fresh _small_model."""
+    return _small_model
+
+
+@pytest.fixture(scope="session")
+def loud_dir(tmp_path_factory):
+    """(folder, planted): a checkpoint of the tiny one's tokenizer, processor and special tokens at _small_model's
+    width, its text decoder given real checkpoints' activation outliers (bench.plant_outliers says where)."""
+    from transformers import AutoConfig, GenerationConfig, Qwen3VLForConditionalGeneration
+
+    folder = tiny.build(tmp_path_factory.mktemp("loud"))
+    config, wide = AutoConfig.from_pretrained(folder), _small_model().config
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rope_parameters"):
+        setattr(config.text_config, key, getattr(wide.text_config, key))
+    config.vision_config.out_hidden_size = wide.vision_config.out_hidden_size
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig.from_pretrained(folder)
+    planted = bench.plant_outliers(model)
+    model.save_pretrained(folder)
+    return folder, planted
 
 
 @pytest.fixture(scope="session")

@@ -155,12 +155,20 @@ def test_linears_measures_each_way_to_compute_the_linears_against_fp32(tiny_dir)
     assert list(rows) == list(bench.LINEAR_WAYS)
     assert all(0 < r["sqnr_db"] < 200 for r in rows.values())  # every way differs from fp32, none wildly
     # bf16 above int8 weights read exactly, above qvl's int8, above int8 with one activation scale for the prompt
-    order = ["bf16", "int8 weights, fp32 activations", "int8 (qvl: a scale per token)", "int8, one scale per call"]
+    order = ["bf16", "int8 weights, fp32 activations", "int8, a scale per token", "int8, one scale per call"]
     assert [way for way in sorted(rows, key=lambda way: -rows[way]["sqnr_db"]) if way in order] == order
     # Weight-only kernels: int4 reads its weights less exactly than int8 does, bf16 activations cost int8 little
     int4, int8_bf16 = rows[f"int4 g{quant.GROUP} weights, bf16 activations"], rows["int8 weights, bf16 activations"]
     assert int4["sqnr_db"] < int8_bf16["sqnr_db"] < rows["bf16"]["sqnr_db"]
     assert int8_bf16["sqnr_db"] > rows["int8 weights, fp32 activations"]["sqnr_db"] - 6
+
+
+def test_linears_shows_what_setting_loud_channels_apart_gains_where_activations_carry_outliers(tiny_dir, loud_dir):
+    apart, together = "int8, a scale per token, loud channels apart (`int8`)", "int8, a scale per token"
+    plain = {r["way"]: r["sqnr_db"] for r in bench.linears(str(tiny_dir), tokens=24, kept=8)}
+    assert plain[apart] == plain[together]  # no loud channel: nothing set apart
+    loud = {r["way"]: r["sqnr_db"] for r in bench.linears(str(loud_dir[0]), tokens=96, kept=32)}
+    assert loud[apart] > loud[together] + 10
 
 
 def test_the_linears_flag_prints_its_table(tiny_dir):
@@ -170,24 +178,6 @@ def test_the_linears_flag_prints_its_table(tiny_dir):
     assert "| int8 weights, fp32 activations |" in result.stdout and "| bf16 |" in result.stdout
     assert "--linears" in subprocess.run([sys.executable, "-m", "qvl.bench", "--help"], capture_output=True,
                                          text=True, timeout=120).stdout
-
-
-def _small_model(seed=0):
-    """The tiny checkpoint's classes at a width where residual outliers behave as at 2B (layers' writes dwarf the
-    token table's entries): 512 hidden, 2 layers, fp32."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    config = Qwen3VLConfig(
-        text_config=dict(vocab_size=300, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
-                         rope_parameters=dict(rope_type="default", rope_theta=5000000, mrope_section=[8, 12, 12],
-                                              mrope_interleaved=True)),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=512,
-                           num_position_embeddings=64, deepstack_visual_indexes=[0], patch_size=16,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return Qwen3VLForConditionalGeneration(config).eval()
 
 
 def _inputs_and_logits(model, ids):
@@ -206,8 +196,8 @@ def _inputs_and_logits(model, ids):
     return seen, logits
 
 
-def test_planted_outliers_reach_their_ratio_in_every_linear_input_and_leave_logits_sane():
-    plain, model = _small_model(), _small_model()
+def test_planted_outliers_reach_their_ratio_in_every_linear_input_and_leave_logits_sane(small_model):
+    plain, model = small_model(), small_model()
     planted = bench.plant_outliers(model)
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(5))  # not the planting's tokens
     inputs, logits = _inputs_and_logits(model, ids)
@@ -233,8 +223,8 @@ def test_planted_outliers_reach_their_ratio_in_every_linear_input_and_leave_logi
     assert logits.argmax(-1).unique().numel() > 48  # and still depend on the position's tokens
 
 
-def test_folding_norm_weights_leaves_the_outliers_that_live_in_the_hidden_state():
-    model = _small_model()
+def test_folding_norm_weights_leaves_the_outliers_that_live_in_the_hidden_state(small_model):
+    model = small_model()
     planted = bench.plant_outliers(model)
     inputs, _ = _inputs_and_logits(model, torch.arange(64)[None])
     for norm, linear in (("input_layernorm", "self_attn.q_proj"), ("post_attention_layernorm", "mlp.up_proj")):
@@ -262,11 +252,11 @@ def _noise_sqnr(model, ids):
     return bench.fidelity(noisy, clean)["sqnr_db"]
 
 
-def test_planted_model_amplifies_errors_no_more_than_the_plain_one():
+def test_planted_model_amplifies_errors_no_more_than_the_plain_one(small_model):
     # Were the outliers all in the residual stream, they would dominate each token's RMS and every error in them
     # would rescale the whole token: quantization would then look worse for a reason other than outliers.
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(5))
-    plain, model, all_in_stream = _small_model(), _small_model(), _small_model()
+    plain, model, all_in_stream = small_model(), small_model(), small_model()
     bench.plant_outliers(model)
     bench.plant_outliers(all_in_stream, norm_share=0.0)
     reference = _noise_sqnr(plain, ids)
@@ -274,8 +264,8 @@ def test_planted_model_amplifies_errors_no_more_than_the_plain_one():
     assert _noise_sqnr(all_in_stream, ids) < reference - 5  # what the split avoids
 
 
-def test_exact_plantings_leave_the_fp32_function_unchanged():
-    plain, model = _small_model(), _small_model()
+def test_exact_plantings_leave_the_fp32_function_unchanged(small_model):
+    plain, model = small_model(), small_model()
     planted = bench.plant_outliers(model, residual=False)
     assert planted["residual"] == [] and min(planted["mlp_factors"]) >= bench.OUTLIER_FACTORS[0]
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(5))

@@ -63,6 +63,25 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
             assert torch.equal(second.model(input_ids=rows).logits, first.model(input_ids=rows).logits)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_second_start_reads_the_loud_channels_that_the_first_found_and_answers_the_same(loud_dir, tmp_path, mode,
+                                                                                            converting):
+    store = ["--model-cache-dir", str(tmp_path / "models")]
+    first = _start(loud_dir[0], mode, *store)
+    second = _start(loud_dir[0], mode, *store)
+    assert len(converting) == 1  # the second read the file: the calibration is not run again
+
+    def apart(engine):
+        return {name: m.apart.tolist() for name, m in engine.model.named_modules()
+                if isinstance(m, quant.Int8Linear) and m.apart is not None}
+    assert apart(second) == apart(first) and len(apart(first)) == 8  # every text linear of the planted model
+    ids = torch.tensor([list(range(1, 13))])
+    with torch.inference_mode():
+        for rows in (ids[:, :1], ids):
+            assert torch.equal(second.model(input_ids=rows).logits, first.model(input_ids=rows).logits)
+    assert _answer(second) == _answer(first)
+
+
 def test_a_start_says_how_far_it_is_converting_first_then_reading(tiny_dir, tmp_path, monkeypatch):
     reports, real = [], Engine._report
     monkeypatch.setattr(Engine, "_report", lambda self, *now: reports.append(now) or real(self, *now))

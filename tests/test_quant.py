@@ -98,6 +98,66 @@ def test_int8_decodes_one_row_with_fbgemms_own_call():
     assert torch.equal(linear(x), torch.ops.quantized.linear_dynamic(x, packed, True) + linear.bias)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_computes_loud_channels_apart_against_their_exact_int8_weights(rows):
+    """Channels set apart leave fbgemm's call (zeros there) and come back as an fp32 product with the dequantized
+    columns, so a channel 100x the rest no longer takes the precision of the others."""
+    torch.manual_seed(0)
+    linear = quant._dynamic_int8(torch.nn.Linear(256, 64, bias=True))
+    exact = linear.weight().dequantize()
+    x = torch.randn(1, rows, 256)
+    x[..., [3, 77]] *= 100
+    want = torch.nn.functional.linear(x, exact, linear.bias)
+
+    def error():
+        return ((linear(x) - want).norm() / (want - linear.bias).norm()).item()
+
+    before = error()
+    linear.set_apart(torch.tensor([3, 77]))
+    assert torch.allclose(linear.columns, exact[:, [3, 77]].T, rtol=1e-6, atol=0)
+    quiet = x.index_fill(-1, torch.tensor([3, 77]), 0)
+    without = quant.Int8Linear(linear.weight(), linear.bias)
+    assert torch.allclose(linear(x), without(quiet) + x[..., [3, 77]] @ exact[:, [3, 77]].T, atol=1e-5)
+    assert error() < before / 10 and error() < 0.02
+    linear.set_apart(torch.tensor([], dtype=torch.long))  # none: fbgemm's call alone again
+    assert linear.apart is None and error() == before
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_converting_sets_apart_the_planted_loud_channels_and_no_others(loud_dir, tiny_dir, mode):
+    folder, planted = loud_dir
+    model = quant.load_model(str(folder), mode)
+    heads = model.config.text_config.head_dim
+    apart = {name.removeprefix("model.language_model.").removesuffix(".prefill"): module.apart.tolist()
+             for name, module in model.named_modules() if isinstance(module, quant.Int8Linear)
+             and module.apart is not None}
+    want = {}
+    for i, (values, inner) in enumerate(zip(planted["values"], planted["mlp"])):
+        want[f"layers.{i}.self_attn.qkv_proj"] = want[f"layers.{i}.mlp.gate_up_proj"] = planted["residual"]
+        want[f"layers.{i}.self_attn.o_proj"] = sorted(c // heads * 2 * heads + g * heads + c % heads  # its 2 readers
+                                                     for c in values for g in range(2))
+        want[f"layers.{i}.mlp.down_proj"] = inner
+    assert apart == want  # int4: its int8 prefill twins, the linears that quantize activations
+    plain = quant.load_model(str(tiny_dir), mode)  # random weights: no channel stands out
+    assert not any(m.apart is not None for m in plain.modules() if isinstance(m, quant.Int8Linear))
+
+
+def test_loud_channels_apart_keep_the_planted_models_logits(loud_dir):
+    from qvl import bench
+
+    folder, _ = loud_dir
+    reference, model = quant.load_model(str(folder), "fp32"), quant.load_model(str(folder), "int8")
+    ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(5))  # not the calibration's tokens
+    with torch.inference_mode():
+        want = reference(input_ids=ids).logits[0]
+        apart = bench.fidelity(model(input_ids=ids).logits[0], want)
+        for module in model.modules():
+            if isinstance(module, quant.Int8Linear):
+                module.set_apart(torch.tensor([], dtype=torch.long))
+        together = bench.fidelity(model(input_ids=ids).logits[0], want)
+    assert apart["sqnr_db"] > together["sqnr_db"] + 10 and apart["top1_agreement"] > 0.85
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int8_weights_are_each_rows_values_over_its_peak_rounded_to_127_levels(dtype):
     torch.manual_seed(0)
