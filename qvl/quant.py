@@ -8,10 +8,11 @@ bf16 19 (no bf16 instructions: bf16 matmuls are emulated). So on AVX2 fbgemm int
 On AVX-512 BF16 CPUs (Zen 4/5, Sapphire Rapids) bf16 is native, and `auto` is `w8a16` (Int8WeightOnly): the same int8
 weights, read by torch's int8 weight-only kernel for decode and a bf16 GEMM for prefill, with activations never
 quantized. Measured on a 2-core Zen 5 (`python -m qvl.bench --random-weights [--outliers] --rows ...`, README's
-Speed section): fbgemm int8 decodes ~1.4x as fast, but its activation quantization costs the logits 8.7 dB of SQNR
-on plain random weights and 16 dB where activations carry outliers; int4 (an int4 copy of each text linear for
-decode, an fbgemm int8 one for prefill) decodes ~1.8x as fast but its g128 weights keep 2 dB (`--linears`), and the
-two copies hold 0.38x fp32's memory. Both stay available by name.
+Speed section): fbgemm int8 decodes ~1.2-1.4x as fast, but its activation quantization costs the logits ~5 dB of
+SQNR on plain random weights and ~1.6 dB where activations carry outliers (with its loud channels apart; without
+them it lost the answer there); int4 (an int4 copy of each text linear for decode, an fbgemm int8 one for prefill)
+decodes ~1.8x as fast but its g128 weights keep 2 dB (`--linears`), and the two copies hold 0.38x fp32's memory.
+Both stay available by name.
 
 The quantized modes stream the checkpoint tensor by tensor into an uninitialised skeleton and
 convert each linear as it arrives, so loading never holds a full bf16 copy beside the quantized one (2B int8: 3.3 GB
