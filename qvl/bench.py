@@ -406,6 +406,7 @@ LINEAR_WAYS = {
     "int8, one scale per call": lambda m, x: m.int8._matmul(x),  # fbgemm's own call, as qvl had it
     "int8 weights, fp32 activations": lambda m, x: torch.nn.functional.linear(x, m.int8.weight().dequantize()),
     "int8 weights, bf16 activations": lambda m, x: m.w8a16(x),
+    "int8 weights, bf16 activations, loud channels apart (`w8a16`)": lambda m, x: m.w8a16_apart(x),
     f"int4 g{quant.GROUP} weights, bf16 activations": lambda m, x: m.int4(x),
     "bf16": lambda m, x: torch.nn.functional.linear(x.bfloat16(), m.linear.weight.bfloat16()).float(),
 }
@@ -417,7 +418,8 @@ class _Ways(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.linear, self.int8, self.way = linear, quant._dynamic_int8(linear), None
-        self.apart = quant._dynamic_int8(linear)  # its loud channels set apart by linears()
+        self.apart = quant._dynamic_int8(linear)  # these two get their loud channels apart in linears()
+        self.w8a16_apart = quant.Int8WeightOnly.quantize(linear)
         self.int4 = quant.Int4Linear.quantize(linear, prefill=False)  # int4 for every row count, as it decodes
         self.w8a16 = quant.Int8WeightOnly.quantize(linear)
 
@@ -433,22 +435,25 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
     columns, rotations) can reach with these int8 weights; bf16 is what the issue's target is set against.
     """
     model = quant.load_model(folder, "fp32")
-    ways = []
+    ways = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, torch.nn.Linear) and not name.startswith("model.visual."):
-            ways.append(_Ways(module))
-            quant.swap(model, name, ways[-1])
+            ways[name] = _Ways(module)
+            quant.swap(model, name, ways[name])
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
 
     def logits(way):
-        for module in ways:
+        for module in ways.values():
             module.way = way
         with torch.inference_mode():
             return model(input_ids=ids, logits_to_keep=kept).logits[0].float()
 
-    for module in ways:  # calibrated as a conversion calibrates: through the quantized linears
+    for module in ways.values():  # calibrated as a conversion calibrates: through the quantized linears
         module.way = next(iter(LINEAR_WAYS))
-    quant.set_loud_channels_apart(model, folder)
+    loud = quant.loud_channels(model, folder, {name: module.apart for name, module in ways.items()})
+    for name, columns in quant.checkpoint_columns(model, folder, loud).items():
+        ways[name].apart.set_apart(loud[name], columns)
+        ways[name].w8a16_apart.set_apart(loud[name], columns)
 
     reference = logits(None)
     return [{"way": way, **fidelity(logits(way), reference)} for way in LINEAR_WAYS]

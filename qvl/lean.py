@@ -114,11 +114,16 @@ def fuse(model: nn.Module, copy: bool = True):
         layer.mlp = MLP(layer.mlp, copy)
 
 
+def parts(name: str) -> list[str]:
+    """The checkpoint's linears whose rows make up the linear at name, in order (itself, unless fused)."""
+    parent, _, child = name.rpartition(".")
+    return [f"{parent}.{part}" for part in FUSED.get(child, (child,))]
+
+
 def sources(name: str, module: nn.Linear) -> list[str]:
     """The checkpoint's names for what fills the linear at name (its own parameters, or its parts')."""
-    parent, _, child = name.rpartition(".")
     params = [p for p, v in module._parameters.items() if v is not None]
-    return [f"{parent}.{part}.{p}" for part in FUSED.get(child, (child,)) for p in params]
+    return [f"{part}.{p}" for part in parts(name) for p in params]
 
 
 def place(model: nn.Module, name: str, tensor: torch.Tensor) -> str | None:

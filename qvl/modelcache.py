@@ -5,9 +5,10 @@ written once, per checkpoint and mode, to MODE-WEIGHTS.safetensors in the model 
 them back. fp32 and bf16 load the checkpoint as it is, so they have nothing to keep.
 
 What is stored, as plain tensors (safetensors, never unpickled): for an fbgemm int8 linear its int8 weight, per-row
-scales and zero points, its bias and the loud input channels it computes apart (fbgemm packs its own layout at load,
-a fraction of converting); for an int4 linear its packed weight, scales and zeros; for a w8a16 linear its int8 weight
-and scales, used as they are read; everything else (bf16 token table, fp32 norms) as the model holds it.
+scales and zero points, its bias, and the loud input channels it computes apart with their weights (fbgemm packs its
+own layout at load, a fraction of converting); for an int4 linear its packed weight, scales and zeros; for a w8a16
+linear its int8 weight and scales (and loud channels), used as they are read; everything else (bf16 token table, fp32
+norms) as the model holds it.
 The file's metadata holds the key, what makes it valid: the checkpoint's weights version, the mode, LAYOUT and the
 torch version, and a CRC-32 of the data. A file whose key differs, or that is truncated or corrupted, is ignored
 with one log line and written again; one that cannot be written (disk full, read-only folder) is logged, and the
@@ -169,8 +170,8 @@ def _tensors(model: nn.Module, data: bool = True):
                 parts = [torch.empty(size, dtype=dtype, device="meta")
                          for size, dtype in [(shape, torch.int8), (rows, torch.float64), (rows, torch.int64)]]
             yield from zip([f"{prefix}.qweight", f"{prefix}.scale", f"{prefix}.zero_point"], parts)
-            if module.apart is not None:  # its columns are the stored weight's: rebuilt at load
-                yield f"{prefix}.apart", module.apart
+            if module.apart is not None:
+                yield from [(f"{prefix}.apart", module.apart), (f"{prefix}.columns", module.columns)]
             if module.bias is not None:
                 yield f"{prefix}.bias", module.bias.detach()
             continue
@@ -363,7 +364,10 @@ def _linear(reader: Reader, prefix: str, out_features: int) -> nn.Module:
         return reader.take(prefix)
     bias = reader.take(f"{prefix}.bias") if f"{prefix}.bias" in reader.names else None
     if f"{prefix}.int8_weight" in reader.names:
-        return quant.Int8WeightOnly(reader.take(f"{prefix}.int8_weight"), reader.take(f"{prefix}.scale"), bias)
+        linear = quant.Int8WeightOnly(reader.take(f"{prefix}.int8_weight"), reader.take(f"{prefix}.scale"), bias)
+        if f"{prefix}.apart" in reader.names:
+            linear.set_apart(reader.take(f"{prefix}.apart"), reader.take(f"{prefix}.columns"))
+        return linear
     prefill = reader.take(f"{prefix}.prefill") if f"{prefix}.prefill.qweight" in reader.names else None
     return quant.Int4Linear(reader.take(f"{prefix}.packed"), reader.take(f"{prefix}.scale_zero"), bias, out_features,
                             prefill)
@@ -372,11 +376,14 @@ def _linear(reader: Reader, prefix: str, out_features: int) -> nn.Module:
 def _fbgemm(tensors: dict, prefix: str, workers: int) -> nn.Module:
     weight = quant.per_channel_qint8(
         tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.zero_point"))
-    bias, apart = tensors.pop(f"{prefix}.bias", None), tensors.pop(f"{prefix}.apart", None)
+    bias = tensors.pop(f"{prefix}.bias", None)
     # In pieces, which fbgemm packs faster; the engine settles them into whole linears once it is serving.
     rows = max(1, quant.PIECE // weight.shape[1])
     if weight.shape[0] <= rows * MANY_PIECES:  # the modules packed beside it keep the other cores busy
-        return quant.Int8Linear(weight, bias, rows=rows, apart=apart)
-    # The 2B's head, 75 pieces and last in the file, was the last ~3 s of a start on one core, the other one idle.
-    with ThreadPoolExecutor(workers, thread_name_prefix="pack", initializer=cpu.background) as pool:
-        return quant.Int8Linear(weight, bias, rows=rows, pack=pool.map, apart=apart)
+        linear = quant.Int8Linear(weight, bias, rows=rows)
+    else:  # the 2B's head, 75 pieces and last in the file, was the last ~3 s of a start on one core, the other idle
+        with ThreadPoolExecutor(workers, thread_name_prefix="pack", initializer=cpu.background) as pool:
+            linear = quant.Int8Linear(weight, bias, rows=rows, pack=pool.map)
+    if f"{prefix}.apart" in tensors:
+        linear.set_apart(tensors.pop(f"{prefix}.apart"), tensors.pop(f"{prefix}.columns"))
+    return linear

@@ -165,7 +165,24 @@ PIECE = 4 << 20
 SETTLED_ROWS = 16384
 
 
-class Int8Linear(nn.Module):
+class _Apart(nn.Module):
+    """A linear that computes a few loud input channels apart (set_loud_channels_apart finds them): out of its int8
+    path, and added back in fp32 against the checkpoint's own weights for them (`columns`, [channels, out_features])."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("apart", None)  # buffers: the model cache keeps them with the module's other tensors
+        self.register_buffer("columns", None)
+
+    def set_apart(self, channels: torch.Tensor, columns: torch.Tensor):
+        """Compute these input channels (int64, ascending) apart, against columns."""
+        self.apart, self.columns = channels, columns.float().contiguous()
+
+    def _add_apart(self, y: torch.Tensor, loud: torch.Tensor) -> torch.Tensor:
+        return y.view(-1, self.out_features).addmm_(loud.reshape(-1, len(self.apart)), self.columns).view(y.shape)
+
+
+class Int8Linear(_Apart):
     """fbgemm's dynamic int8 linear with a scale per row: its per-channel int8 weight is packed into fbgemm's layout
     (whole, or in pieces of `rows` rows), and fbgemm quantizes each call's input with one scale (7 bits: fbgemm's
     AVX2 kernel needs the headroom).
@@ -179,13 +196,12 @@ class Int8Linear(nn.Module):
 
     A scale per token cannot help where a few channels of every token are 20-100x the rest, as in real checkpoints:
     those channels (found by set_loud_channels_apart when the checkpoint is converted) are zeroed in fbgemm's input
-    and their part of the output added back in fp32 against the same int8 weights, dequantized (LLM.int8()'s split,
-    with the channels fixed in advance: no search per call). Three small ops a call, in linears that have any.
+    and their part of the output added back in fp32 against the checkpoint's weights (LLM.int8()'s split, with the
+    channels fixed in advance: no search per call). Three small ops a call, in linears that have any.
     """
 
-    def __init__(self, qweight: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None, pack=map,
-                 apart: torch.Tensor | None = None):
-        """pack: map, or a pool's map to pack the pieces side by side; apart: input channels computed apart (set_apart)."""
+    def __init__(self, qweight: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None, pack=map):
+        """pack: map, or a pool's map to pack the pieces side by side."""
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.rows = min(rows or self.out_features, self.out_features)  # in each loaded piece (the last may have fewer)
@@ -193,22 +209,6 @@ class Int8Linear(nn.Module):
         self.parts = list(pack(_pack, [qweight[i:i + self.rows] for i in range(0, self.out_features, self.rows)]))
         self.merged = 0  # leading parts that settle() has made, or found, final
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.apart, self.columns = None, None
-        if apart is not None:
-            self.set_apart(apart)
-
-    def set_apart(self, channels: torch.Tensor):
-        """Compute these input channels (int64, ascending) apart from fbgemm's call, in fp32 against their int8
-        weights, where their activations cannot set the scale that the other channels are quantized with."""
-        if not len(channels):
-            self.apart, self.columns = None, None
-            return
-        # The weights' columns as fbgemm itself reads them (within 1e-7 of exact: a one-hot row quantizes to 127 of
-        # 1/127), [channels, out_features] for addmm: one call over the packed weight, where unpacking every weight
-        # to pick a few columns took 5 s of the 2B's first start.
-        unit = torch.zeros(len(channels), self.in_features)
-        unit[torch.arange(len(channels)), channels] = 1
-        self.columns, self.apart = self._matmul(unit), channels
 
     def weight(self) -> torch.Tensor:
         """The per-channel torch.qint8 weight, unpacked (a copy)."""
@@ -240,7 +240,7 @@ class Int8Linear(nn.Module):
             peak = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny)
             y = self._matmul(x / peak).mul_(peak)
         if self.apart is not None:
-            y.view(-1, self.out_features).addmm_(loud.reshape(-1, len(self.apart)), self.columns)
+            y = self._add_apart(y, loud)
         return y if self.bias is None else y + self.bias
 
     def _matmul(self, x):
@@ -259,7 +259,7 @@ class Int8Linear(nn.Module):
 W8A16_ROWS = 16
 
 
-class Int8WeightOnly(nn.Module):
+class Int8WeightOnly(_Apart):
     """w8a16: int8 weights (symmetric, a bf16 scale per row) and bf16 activations, which are never quantized.
 
     For CPUs with bf16 dot products (AVX-512 BF16, AMX): fbgemm's dynamic int8 quantizes every activation, which
@@ -269,6 +269,10 @@ class Int8WeightOnly(nn.Module):
     step ~1.3x fbgemm's (the same bytes, read slower: 0.50 against 0.44 ms for a 6144x2048 linear out of cache, 83
     against 65 ms for the 2B's step; Zen 5). The scale multiplies each output column, so both paths compute the same
     products (within bf16 rounding).
+
+    Where activations carry outliers, their readers' weights for those channels are small, and a row's int8 levels,
+    set by its largest weights, round them off: loud channels apart (set_loud_channels_apart) have their int8
+    columns zeroed and are computed in fp32 against the checkpoint's weights, two small ops a call.
     """
 
     def __init__(self, int8_weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
@@ -283,20 +287,27 @@ class Int8WeightOnly(nn.Module):
         q, scale = _int8_rows(linear.weight.detach(), torch.bfloat16)
         return cls(q, scale.bfloat16(), None if linear.bias is None else linear.bias.detach().float())
 
+    def set_apart(self, channels: torch.Tensor, columns: torch.Tensor):
+        super().set_apart(channels, columns)
+        self.int8_weight[:, channels] = 0  # their part comes from columns alone
+
     def forward(self, x):
         flat = x.reshape(-1, self.in_features).bfloat16()
         if flat.shape[0] <= W8A16_ROWS:
             y = torch._weight_int8pack_mm(flat, self.int8_weight, self.scale).float()
         else:
             y = F.linear(flat, self.int8_weight.to(torch.bfloat16)).float().mul_(self.scale.float())
+        if self.apart is not None:
+            y = self._add_apart(y, x.reshape(-1, self.in_features).index_select(-1, self.apart))
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
 # Channels whose activations stand far above the rest (real checkpoints' outliers, 20-100x in a few channels) would
-# set the scale that fbgemm quantizes every channel of a call with. They are found once, when a start converts the
-# checkpoint, from what each text linear reads in one chat turn in the checkpoint's own markup (~100 tokens with
-# Qwen's tokenizer, ~400 with the byte tokenizer of the tiny and random models), and then computed apart.
+# set the scale that fbgemm quantizes every channel of a call with, and their readers' weights, small, lose most of
+# their precision to a row's int8 levels. They are found once, when a start converts the checkpoint, from what each
+# text linear reads in one chat turn in the checkpoint's own markup (~100 tokens with Qwen's tokenizer, ~320 with the
+# byte tokenizer of the tiny and random models), and then computed apart.
 CALIBRATION = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is in this photo? "
                "Describe the main objects, their colours and where they are, then read any text you can see.<|im_end|>\n"
                "<|im_start|>assistant\nThe photo shows a wooden table by a window. On it stand a red mug, a blue "
@@ -305,49 +316,75 @@ LOUD = 8.0  # a channel is computed apart once its peak in the calibration is th
 MOST_APART = 0.01  # of a linear's input channels (at least 4): the loudest, should a checkpoint have more
 
 
-def set_loud_channels_apart(model: nn.Module, folder: str) -> dict[str, int]:
-    """Find the loud input channels of every fbgemm int8 text linear (and int4's int8 prefill twins) in the
-    calibration turn, and have each linear compute its own apart (Int8Linear.set_apart); return how many each got.
+def set_loud_channels_apart(model: nn.Module, folder: str):
+    """Find the loud input channels of every int8 text linear (fbgemm's, int4's int8 prefill twins, w8a16's) in the
+    calibration turn, and have each compute its own apart against the checkpoint's weights for them.
 
-    On the random 2B with planted outliers (`python -m qvl.bench --random-weights --outliers --linears`) this takes
-    the text logits from -2.2 to 10.4 dB of SQNR (top-1 agreement 0 -> 0.40), ~5.5 channels a linear; on plain
-    random weights no channel is loud enough, and nothing changes. The vision tower, which only ever prefills with a
-    scale per token, is left as it is.
+    On the random 2B with planted outliers (`python -m qvl.bench --random-weights --outliers --linears`), ~5.5
+    channels a linear: fbgemm int8 from -2.2 to 12.4 dB of SQNR (top-1 agreement 0 -> 0.52), w8a16 from 13.8 to
+    21.1 dB (0.5 -> 0.77), its level on plain weights. Plain random weights have no channel loud enough, and nothing
+    changes. The vision tower, which only ever prefills with a scale per token, is left as it is.
     """
+    linears = {name: module for name, module in model.named_modules()
+               if isinstance(module, _Apart) and not name.startswith("model.visual.")}
+    loud = loud_channels(model, folder, linears)
+    reads = {name: name.removesuffix(".prefill") for name in loud}  # int4's int8 prefill twin reads its linear's
+    columns = checkpoint_columns(model, folder, {reads[name]: channels for name, channels in loud.items()})
+    for name, channels in loud.items():
+        if reads[name] in columns:
+            linears[name].set_apart(channels, columns[reads[name]])
+    log.info("computing %d loud input channels apart in %d of %d int8 text linears",
+             sum(len(loud[name]) for name in loud if reads[name] in columns), len(columns), len(linears))
+    if missed := sorted(set(reads.values()) - set(columns)):  # a layout this reader does not know: kept in int8
+        log.warning("the checkpoint does not name the weights of %s: its loud channels stay in the int8 path",
+                    ", ".join(missed[:3]))
+
+
+def loud_channels(model: nn.Module, folder: str, linears: dict) -> dict:
+    """{name: its loud input channels (int64, ascending)} for each of linears ({name: module}) that has any in the
+    calibration turn (folder's tokenizer) through model; "lm_head" is read at the final norm (it sees one position)."""
     from transformers import AutoTokenizer
 
-    text = model.model.language_model
-    linears = {name: module for name, module in model.named_modules()
-               if isinstance(module, Int8Linear) and not name.startswith("model.visual.")}
-    if not linears:
-        return {}
     peaks = {}
 
     def record(name, x):
         peak = x.detach().reshape(-1, x.shape[-1]).abs().amax(0)
         peaks[name] = torch.maximum(peaks[name], peak) if name in peaks else peak
 
-    hooks = [text.norm.register_forward_hook(lambda module, args, out: record("lm_head", out))]  # the head, below
+    norm = model.model.language_model.norm
+    hooks = [norm.register_forward_hook(lambda module, args, out: record("lm_head", out))] if "lm_head" in linears else []
     hooks += [module.register_forward_pre_hook(lambda module, args, name=name: record(name, args[0]))
               for name, module in linears.items() if name != "lm_head"]
     ids = AutoTokenizer.from_pretrained(folder)(CALIBRATION, return_tensors="pt").input_ids
     try:
         with torch.inference_mode():
-            model(input_ids=ids, logits_to_keep=1)  # the head reads one position: its input is read at the norm
+            model(input_ids=ids, logits_to_keep=1)
     finally:
         for hook in hooks:
             hook.remove()
-    apart = {}
-    for name, module in linears.items():
-        if (peak := peaks.get(name)) is None:  # not reached by the calibration (a linear set aside, in the bench)
-            continue
-        loud = (peak > LOUD * peak.median()).nonzero().squeeze(1)
-        loud = loud[peak[loud].argsort(descending=True)[:max(4, int(len(peak) * MOST_APART))]].sort().values
-        module.set_apart(loud)
-        apart[name] = len(loud)
-    log.info("computing %d loud input channels apart in %d of %d int8 text linears", sum(apart.values()),
-             sum(n > 0 for n in apart.values()), len(apart))
-    return apart
+    loud = {}
+    for name, peak in peaks.items():
+        channels = (peak > LOUD * peak.median()).nonzero().squeeze(1)
+        channels = channels[peak[channels].argsort(descending=True)[:max(4, int(len(peak) * MOST_APART))]]
+        if len(channels):
+            loud[name] = channels.sort().values
+    return loud
+
+
+def checkpoint_columns(model: nn.Module, folder: str, loud: dict) -> dict:
+    """For each (fused) text linear name of loud whose weights the checkpoint names, its weights for the loud input
+    channels, [channels, out_features], from one pass that reads only those linears' weights (the tied head's from
+    the token table, which the model keeps in bf16 as the checkpoint has it)."""
+    from qvl import lean
+
+    parts = {name: lean.parts(name) for name in loud}
+    owner = {f"{part}.weight": name for name, names in parts.items() for part in names}
+    found = {weight: tensor[:, loud[owner[weight]]]
+             for weight, tensor in _checkpoint_tensors(folder, lambda weight: weight in owner)}
+    if "lm_head" in loud and model.config.tie_word_embeddings:
+        found["lm_head.weight"] = model.model.language_model.embed_tokens.weight[:, loud["lm_head"]]
+    return {name: torch.cat([found[f"{part}.weight"] for part in names]).T for name, names in parts.items()
+            if all(f"{part}.weight" in found for part in names)}
 
 
 def _pack(qweight: torch.Tensor):
@@ -381,8 +418,9 @@ DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F
           "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
 
 
-def file_tensors(path: Path):
-    """Every (name, tensor) of one safetensors file, in file order, read with plain file reads, one at a time.
+def file_tensors(path: Path, wanted=lambda name: True):
+    """Every (name, tensor) of one safetensors file that wanted(name), in file order, read with plain file reads, one
+    at a time.
 
     from_pretrained memory-maps the files, and every page it touched stays resident, counted in the process's
     memory, until loading ends: 4.3 GB of bf16 on top of the quantized copies being made.
@@ -392,6 +430,8 @@ def file_tensors(path: Path):
         header = json.loads(f.read(size))
         header.pop("__metadata__", None)
         for name, meta in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+            if not wanted(name):
+                continue
             start, end = meta["data_offsets"]
             f.seek(8 + size + start)
             dtype = DTYPES[meta["dtype"]]
@@ -402,9 +442,9 @@ def file_tensors(path: Path):
                 meta["shape"], dtype=dtype)
 
 
-def _checkpoint_tensors(folder: str):
+def _checkpoint_tensors(folder: str, wanted=lambda name: True):
     for path in sorted(Path(folder).glob("*.safetensors")):
-        yield from file_tensors(path)
+        yield from file_tensors(path, wanted)
 
 
 def skeleton(folder: str) -> nn.Module:

@@ -63,7 +63,7 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
             assert torch.equal(second.model(input_ids=rows).logits, first.model(input_ids=rows).logits)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a16"])
 def test_a_second_start_reads_the_loud_channels_that_the_first_found_and_answers_the_same(loud_dir, tmp_path, mode,
                                                                                             converting):
     store = ["--model-cache-dir", str(tmp_path / "models")]
@@ -72,9 +72,11 @@ def test_a_second_start_reads_the_loud_channels_that_the_first_found_and_answers
     assert len(converting) == 1  # the second read the file: the calibration is not run again
 
     def apart(engine):
-        return {name: m.apart.tolist() for name, m in engine.model.named_modules()
-                if isinstance(m, quant.Int8Linear) and m.apart is not None}
-    assert apart(second) == apart(first) and len(apart(first)) == 8  # every text linear of the planted model
+        return {name: (m.apart.tolist(), m.columns) for name, m in engine.model.named_modules()
+                if getattr(m, "apart", None) is not None}
+    assert list(apart(second)) == list(apart(first)) and len(apart(first)) == 8  # the planted model's text linears
+    for (channels, columns), (want, want_columns) in zip(apart(second).values(), apart(first).values()):
+        assert channels == want and torch.equal(columns, want_columns)
     ids = torch.tensor([list(range(1, 13))])
     with torch.inference_mode():
         for rows in (ids[:, :1], ids):
