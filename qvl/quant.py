@@ -9,8 +9,8 @@ On AVX-512 BF16 CPUs (Zen 4/5, Sapphire Rapids) bf16 is native, and `auto` is `w
 weights, read by torch's int8 weight-only kernel for decode and a bf16 GEMM for prefill, with activations never
 quantized. Measured on a 2-core Zen 5 (`python -m qvl.bench --random-weights [--outliers] --rows ...`, README's
 Speed section): fbgemm int8 decodes ~1.2-1.4x as fast, but its activation quantization costs the logits ~5 dB of
-SQNR on plain random weights and ~1.6 dB where activations carry outliers (with its loud channels apart; without
-them it lost the answer there); int4 (an int4 copy of each text linear for decode, an fbgemm int8 one for prefill)
+SQNR on plain random weights and ~4.4 dB where activations carry outliers (with the loud channels apart in both;
+without them int8 lost the answer there); int4 (an int4 copy of each text linear for decode, an fbgemm int8 one for prefill)
 decodes ~1.8x as fast but its g128 weights keep 2 dB (`--linears`), and the two copies hold 0.38x fp32's memory.
 Both stay available by name.
 
@@ -263,10 +263,9 @@ class Int8WeightOnly(_Apart):
     """w8a16: int8 weights (symmetric, a bf16 scale per row) and bf16 activations, which are never quantized.
 
     For CPUs with bf16 dot products (AVX-512 BF16, AMX): fbgemm's dynamic int8 quantizes every activation, which
-    loses most of the model's precision where activations carry outliers, as real checkpoints' do. Here only the
-    weights are rounded: on the random 2B's text (`python -m qvl.bench --random-weights [--outliers] --linears`) the
-    logits keep 21.1 dB of SQNR against fbgemm int8's 12.4, and 13.8 against -2.2 with planted outliers, for a decode
-    step ~1.3x fbgemm's (the same bytes, read slower: 0.50 against 0.44 ms for a 6144x2048 linear out of cache, 83
+    costs the model's precision. Here only the weights are rounded: on the random 2B's text (`python -m qvl.bench
+    --random-weights [--outliers] --linears`) the logits keep 21.1 dB of SQNR against fbgemm int8's 12.4, as much
+    with planted outliers (loud channels apart in both), for a decode step ~1.3x fbgemm's (the same bytes, read slower: 0.50 against 0.44 ms for a 6144x2048 linear out of cache, 83
     against 65 ms for the 2B's step; Zen 5). The scale multiplies each output column, so both paths compute the same
     products (within bf16 rounding).
 
@@ -322,7 +321,7 @@ def set_loud_channels_apart(model: nn.Module, folder: str):
 
     On the random 2B with planted outliers (`python -m qvl.bench --random-weights --outliers --linears`), ~5.5
     channels a linear: fbgemm int8 from -2.2 to 12.4 dB of SQNR (top-1 agreement 0 -> 0.52), w8a16 from 13.8 to
-    21.1 dB (0.5 -> 0.77), its level on plain weights. Plain random weights have no channel loud enough, and nothing
+    21.1 dB (0.5 -> 0.78), its level on plain weights. Plain random weights have no channel loud enough, and nothing
     changes. The vision tower, which only ever prefills with a scale per token, is left as it is.
     """
     linears = {name: module for name, module in model.named_modules()

@@ -156,6 +156,18 @@ def test_converting_sets_apart_the_planted_loud_channels_with_the_checkpoints_we
     assert not any(getattr(m, "apart", None) is not None for m in plain.modules())
 
 
+def test_loud_channels_whose_weights_the_checkpoint_does_not_name_stay_in_the_int8_path(loud_dir, monkeypatch, caplog):
+    folder, planted = loud_dir
+    model = quant.load_model(str(folder), "fp32")
+    loud = {"model.language_model.layers.0.mlp.down_proj": torch.tensor(planted["mlp"][0]),
+            "model.language_model.layers.0.mlp.odd_proj": torch.tensor([1])}
+    assert list(quant.checkpoint_columns(model, str(folder), loud)) == ["model.language_model.layers.0.mlp.down_proj"]
+    monkeypatch.setattr(quant, "checkpoint_columns", lambda *args: {})  # a layout whose names it does not know
+    model = quant.load_model(str(folder), "int8")
+    assert "its loud channels stay in the int8 path" in caplog.text
+    assert not any(getattr(m, "apart", None) is not None for m in model.modules())
+
+
 @pytest.mark.parametrize("mode, gain", [("int8", 10), ("w8a16", 3)])
 def test_loud_channels_apart_keep_the_planted_models_logits(loud_dir, monkeypatch, mode, gain):
     from qvl import bench
