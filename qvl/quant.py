@@ -10,9 +10,9 @@ weights, read by torch's int8 weight-only kernel for decode and a bf16 GEMM for 
 quantized. Measured on a 2-core Zen 5 (`python -m qvl.bench --random-weights [--outliers] --rows ...`, README's
 Speed section): fbgemm int8 decodes ~1.2-1.4x as fast, but its activation quantization costs the logits ~5 dB of
 SQNR on plain random weights and ~4.4 dB where activations carry outliers (with the loud channels apart in both;
-without them int8 lost the answer there); int4 (an int4 copy of each text linear for decode, an fbgemm int8 one for prefill)
-decodes ~1.8x as fast but its g128 weights keep 2 dB (`--linears`), and the two copies hold 0.38x fp32's memory.
-Both stay available by name.
+without them int8 lost the answer there); int4 (an int4 copy of each text linear for decode, an fbgemm int8 one for
+prefill) decodes ~1.8x as fast but its g128 weights keep 2 dB (`--linears`), and the two copies hold 0.38x fp32's
+memory. Both stay available by name.
 
 The quantized modes stream the checkpoint tensor by tensor into an uninitialised skeleton and
 convert each linear as it arrives, so loading never holds a full bf16 copy beside the quantized one (2B int8: 3.3 GB
@@ -265,9 +265,9 @@ class Int8WeightOnly(_Apart):
     For CPUs with bf16 dot products (AVX-512 BF16, AMX): fbgemm's dynamic int8 quantizes every activation, which
     costs the model's precision. Here only the weights are rounded: on the random 2B's text (`python -m qvl.bench
     --random-weights [--outliers] --linears`) the logits keep 21.1 dB of SQNR against fbgemm int8's 12.4, as much
-    with planted outliers (loud channels apart in both), for a decode step ~1.3x fbgemm's (the same bytes, read slower: 0.50 against 0.44 ms for a 6144x2048 linear out of cache, 83
-    against 65 ms for the 2B's step; Zen 5). The scale multiplies each output column, so both paths compute the same
-    products (within bf16 rounding).
+    with planted outliers (loud channels apart in both), for a decode step ~1.3x fbgemm's (the same bytes, read
+    slower: 0.50 against 0.44 ms for a 6144x2048 linear out of cache, 83 against 65 ms for the 2B's step; Zen 5).
+    The scale multiplies each output column, so both paths compute the same products (within bf16 rounding).
 
     Where activations carry outliers, their readers' weights for those channels are small, and a row's int8 levels,
     set by its largest weights, round them off: loud channels apart (set_loud_channels_apart) have their int8
@@ -308,7 +308,8 @@ class Int8WeightOnly(_Apart):
 # text linear reads in one chat turn in the checkpoint's own markup (~100 tokens with Qwen's tokenizer, ~320 with the
 # byte tokenizer of the tiny and random models), and then computed apart.
 CALIBRATION = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is in this photo? "
-               "Describe the main objects, their colours and where they are, then read any text you can see.<|im_end|>\n"
+               "Describe the main objects, their colours and where they are, then read any text you can see."
+               "<|im_end|>\n"
                "<|im_start|>assistant\nThe photo shows a wooden table by a window. On it stand a red mug, a blue "
                "notebook and a small green plant; behind them, a sign reads \"Open 9-17\".<|im_end|>\n")
 LOUD = 8.0  # a channel is computed apart once its peak in the calibration is this many times the median channel's
@@ -350,8 +351,9 @@ def loud_channels(model: nn.Module, folder: str, linears: dict) -> dict:
         peak = x.detach().reshape(-1, x.shape[-1]).abs().amax(0)
         peaks[name] = torch.maximum(peaks[name], peak) if name in peaks else peak
 
-    norm = model.model.language_model.norm
-    hooks = [norm.register_forward_hook(lambda module, args, out: record("lm_head", out))] if "lm_head" in linears else []
+    norm, hooks = model.model.language_model.norm, []
+    if "lm_head" in linears:
+        hooks.append(norm.register_forward_hook(lambda module, args, out: record("lm_head", out)))
     hooks += [module.register_forward_pre_hook(lambda module, args, name=name: record(name, args[0]))
               for name, module in linears.items() if name != "lm_head"]
     ids = AutoTokenizer.from_pretrained(folder)(CALIBRATION, return_tensors="pt").input_ids
@@ -564,8 +566,8 @@ def describe(mode: str) -> str:
                 "embedding bf16",
         "int4": f"int4: vision fbgemm int8, text int4 g{GROUP} decode + int8 prefill, a scale per token, loud text "
                 "channels apart, head int4, embedding bf16",
-        "w8a16": "w8a16: int8 weights (a scale per row) with bf16 activations for every linear and the head, "
-                 "embedding bf16",
+        "w8a16": "w8a16: int8 weights (a scale per row) with bf16 activations for every linear and the head, loud "
+                 "text channels apart, embedding bf16",
     }.get(mode, mode)
 
 
