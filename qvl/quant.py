@@ -291,13 +291,14 @@ class Int8WeightOnly(_Apart):
         self.int8_weight[:, channels] = 0  # their part comes from columns alone
 
     def forward(self, x):
-        flat = x.reshape(-1, self.in_features).bfloat16()
+        rows = x.reshape(-1, self.in_features)
+        flat = rows.bfloat16()
         if flat.shape[0] <= W8A16_ROWS:
             y = torch._weight_int8pack_mm(flat, self.int8_weight, self.scale).float()
         else:
             y = F.linear(flat, self.int8_weight.to(torch.bfloat16)).float().mul_(self.scale.float())
         if self.apart is not None:
-            y = self._add_apart(y, x.reshape(-1, self.in_features).index_select(-1, self.apart))
+            y = self._add_apart(y, rows.index_select(-1, self.apart))
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -330,11 +331,11 @@ def set_loud_channels_apart(model: nn.Module, folder: str):
     loud = loud_channels(model, folder, linears)
     reads = {name: name.removesuffix(".prefill") for name in loud}  # int4's int8 prefill twin reads its linear's
     columns = checkpoint_columns(model, folder, {reads[name]: channels for name, channels in loud.items()})
-    for name, channels in loud.items():
-        if reads[name] in columns:
-            linears[name].set_apart(channels, columns[reads[name]])
+    found = {name: channels for name, channels in loud.items() if reads[name] in columns}
+    for name, channels in found.items():
+        linears[name].set_apart(channels, columns[reads[name]])
     log.info("computing %d loud input channels apart in %d of %d int8 text linears",
-             sum(len(loud[name]) for name in loud if reads[name] in columns), len(columns), len(linears))
+             sum(map(len, found.values())), len(found), len(linears))
     if missed := sorted(set(reads.values()) - set(columns)):  # a layout this reader does not know: kept in int8
         log.warning("the checkpoint does not name the weights of %s: its loud channels stay in the int8 path",
                     ", ".join(missed[:3]))
