@@ -271,6 +271,22 @@ def test_the_weights_version_follows_the_weight_files_not_where_they_are(tiny_di
     assert modelcache.weights_version(str(hub)) != modelcache.weights_version(str(tiny_dir))
 
 
+def test_checkpoints_that_differ_only_in_their_middle_layers_have_different_versions(tmp_path):
+    """As a fine-tune of the same architecture does: every value of the middle tensors changed, the first and last MB
+    of the file not (the random 2B with planted outliers once hashed as the plain one)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    layers = {f"layer{i}.weight": torch.randn(1024, 1024, dtype=torch.bfloat16) for i in range(5)}  # 2 MB each
+    tuned = {name: tensor * 1.01 if name in ("layer1.weight", "layer3.weight") else tensor
+             for name, tensor in layers.items()}
+    for name, tensors in (("base", layers), ("tuned", tuned), ("copy", dict(layers))):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors")
+    version = {name: modelcache.weights_version(str(tmp_path / name)) for name in ("base", "tuned", "copy")}
+    assert version["base"] == version["copy"] != version["tuned"]
+
+
 def _corrupt(file):
     data = bytearray(file.read_bytes())
     data[-100] ^= 0xFF  # one weight byte
