@@ -64,6 +64,7 @@ ROWS = {
     "int8": ("int8", {}, []),
     "int4": ("int4", {}, []),
     "w8a16": ("w8a16", {}, []),
+    "w8a14": ("w8a14", {}, []),
     "auto": ("auto", {}, []),
     # A second start of auto: it reads the converted model the auto row kept, so it must run after that row.
     "auto-warm": ("auto", {}, []),
@@ -402,6 +403,9 @@ def _onednn_int8(linear: torch.nn.Linear):
 # against fp32. The int4 and int8 weight-only kernels take bf16 activations (fast where the CPU has bf16 dot products).
 LINEAR_WAYS = {
     "int8, a scale per token, loud channels apart (`int8`)": lambda m, x: m.apart(x),
+    # Rows are quantized each on its own, so a prompt in decode-sized chunks is computed as decode steps compute it.
+    "int8, activations in two parts, loud channels apart (`w8a14`'s decode)":
+        lambda m, x: torch.cat([m.two_part(rows) for rows in x.split(quant.DECODE_ROWS, -2)], -2),
     "int8, a scale per token": lambda m, x: m.int8(x),
     "int8, one scale per call": lambda m, x: m.int8._matmul(x),  # fbgemm's own call, as qvl had it
     "int8 weights, fp32 activations": lambda m, x: torch.nn.functional.linear(x, m.int8.weight().dequantize()),
@@ -418,7 +422,9 @@ class _Ways(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.linear, self.int8, self.way = linear, quant._dynamic_int8(linear), None
-        self.apart = quant._dynamic_int8(linear)  # these two get their loud channels apart in linears()
+        self.apart = quant._dynamic_int8(linear)  # these three get their loud channels apart in linears()
+        self.two_part = quant._dynamic_int8(linear)
+        self.two_part.two_part = True
         self.w8a16_apart = quant.Int8WeightOnly.quantize(linear)
         self.int4 = quant.Int4Linear.quantize(linear, prefill=False)  # int4 for every row count, as it decodes
         self.w8a16 = quant.Int8WeightOnly.quantize(linear)
@@ -453,6 +459,7 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
     loud = quant.loud_channels(model, folder, {name: module.apart for name, module in ways.items()})
     for name, columns in quant.checkpoint_columns(model, folder, loud).items():
         ways[name].apart.set_apart(loud[name], columns)
+        ways[name].two_part.set_apart(loud[name], columns)
         ways[name].w8a16_apart.set_apart(loud[name], columns)
 
     reference = logits(None)

@@ -133,6 +133,8 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
     if file.exists():
         try:
             model = _read(ahead or Reader(file, want), source, report)
+            if mode == "w8a14":
+                quant.in_two_parts(model)
             log.info("loaded the %s model from the model cache %s%s", mode, file,
                      " (read ahead, while the imports ran)" if ahead else "")
             return model, None

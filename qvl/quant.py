@@ -5,14 +5,17 @@ has the whole-model figures): decode (1 row) fp32 4.8 ms, bf16 2.3, fbgemm dynam
 int4 weight-only (group 128) 1.1; prefill (256 rows) fbgemm int8 216 GFLOP/s, fp32 78, int8/int4 weight-only ~46,
 bf16 19 (no bf16 instructions: bf16 matmuls are emulated). So on AVX2 fbgemm int8 wins both phases (`int8`).
 
-On AVX-512 BF16 CPUs (Zen 4/5, Sapphire Rapids) bf16 is native, and `auto` is `w8a16` (Int8WeightOnly): the same int8
-weights, read by torch's int8 weight-only kernel for decode and a bf16 GEMM for prefill, with activations never
-quantized. Measured on a 2-core Zen 5 (`python -m qvl.bench --random-weights [--outliers] --rows ...`, README's
-Speed section): fbgemm int8 decodes ~1.2-1.4x as fast, but its activation quantization costs the logits ~5 dB of
-SQNR on plain random weights and ~4.4 dB where activations carry outliers (with the loud channels apart in both;
-without them int8 lost the answer there); int4 (an int4 copy of each text linear for decode, an fbgemm int8 one for
-prefill) decodes ~1.8x as fast but its g128 weights keep 2 dB (`--linears`), and the two copies hold 0.38x fp32's
-memory. Both stay available by name.
+Where fbgemm has AVX-512 VNNI (Zen 4/5, Ice Lake, Sapphire Rapids) `auto` is `w8a14`: the same fbgemm int8 linears,
+each text activation row fed as two rows (its int8 levels and what they rounded off, 14 bits together,
+Int8Linear._two_part), which costs a decode step nothing there: VNNI's kernel reads the weights once for both rows
+and is bound by reading them. Measured on a 2-core Zen 4 (`python -m qvl.bench --random-weights [--outliers] --rows
+fp32,bf16,int8,w8a16,w8a14 --runs 1`, README's Speed section): the logits of `w8a16` (int8 weights, bf16 activations
+never quantized; 22.2/22.8 dB of SQNR against `int8`'s 17.4/18.4, plain/outliers) within 0.4 dB, at fbgemm's decode
+(1.3-1.6x `w8a16`'s, whose weight-only kernel reads bytes slower) and a first token 0.8x `w8a16`'s. On AVX2 alone
+fbgemm's kernel is not bound by memory (a Zen 1 core reads ~9 GB/s through it), so the second row has a price
+(~29%, a scratch measurement of an earlier version on the Zen 1) and `auto` stays `int8`. int4 (an int4 copy of each
+text linear for decode, an fbgemm int8 one for prefill) decodes ~1.8x as fast on a Zen 5 but its g128 weights keep
+2 dB (`--linears`), and the two copies hold 0.38x fp32's memory. All stay available by name.
 
 The quantized modes stream the checkpoint tensor by tensor into an uninitialised skeleton and
 convert each linear as it arrives, so loading never holds a full bf16 copy beside the quantized one (2B int8: 3.3 GB
@@ -46,8 +49,8 @@ def resolve(mode: str, flags: frozenset[str] | None = None) -> str:
     if mode != "auto":
         return mode
     flags = cpu.flags() if flags is None else flags
-    if native_bf16(flags):  # int8 weights, activations kept (quality), ~0.7x fbgemm's decode
-        return "w8a16"
+    if "VNNI" in flags:  # fbgemm reads a second row at no cost: w8a16's quality at int8's speed (module docstring)
+        return "w8a14"
     # fbgemm needs AVX2; without it, it and the int4 kernel fall back to scalar loops slower than fp32.
     return "int8" if "AVX2" in flags else "fp32"
 
@@ -209,6 +212,7 @@ class Int8Linear(_Apart):
         self.parts = list(pack(_pack, [qweight[i:i + self.rows] for i in range(0, self.out_features, self.rows)]))
         self.merged = 0  # leading parts that settle() has made, or found, final
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.two_part = False  # w8a14 (in_two_parts): each input row fed as two, for 14 bits instead of 7
 
     def weight(self) -> torch.Tensor:
         """The per-channel torch.qint8 weight, unpacked (a copy)."""
@@ -234,7 +238,9 @@ class Int8Linear(_Apart):
     def forward(self, x):
         if self.apart is not None:
             loud, x = x.index_select(-1, self.apart), x.index_fill(-1, self.apart, 0)
-        if x.numel() == self.in_features:
+        if self.two_part and x.numel() <= DECODE_ROWS * self.in_features:
+            y = self._two_part(x)
+        elif x.numel() == self.in_features:
             y = self._matmul(x)
         else:
             peak = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny)
@@ -243,11 +249,30 @@ class Int8Linear(_Apart):
             y = self._add_apart(y, loud)
         return y if self.bias is None else y + self.bias
 
-    def _matmul(self, x):
+    def _matmul(self, x, linear=lambda x, part: torch.ops.quantized.linear_dynamic(x, part, True)):
         parts = self.parts
         if len(parts) == 1:
-            return torch.ops.quantized.linear_dynamic(x, parts[0], True)
-        return torch.cat([torch.ops.quantized.linear_dynamic(x, part, True) for part in parts], -1)
+            return linear(x, parts[0])
+        return torch.cat([linear(x, part) for part in parts], -1)
+
+    def _two_part(self, x):
+        """x's rows, each quantized as high + low / 126 (high: the row over its peak in 63 levels a side, low: what
+        high rounded off, in as many), through one fbgemm call on the rows stacked; both parts are whole numbers in
+        [-63, 63], which fbgemm's quantization at scale 1 and zero point 64 keeps exactly (7 bits, its AVX2 kernel's
+        headroom).
+
+        For decode rows only: there the kernel is bound by reading the weights, once for all rows, and the second
+        row is free (VNNI), while a prompt's rows are bound by computing them, and twice the rows took the random
+        2B's prefill from 5.4 to 7.5 s for 0.4 dB of the logits' SQNR (Zen 4, scratch prefill_variant.py)."""
+        rows = x.reshape(-1, self.in_features)
+        peak = rows.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
+        high = rows * (63 / peak)
+        parts = torch.empty(2 * len(rows), self.in_features)
+        torch.round(high, out=parts[:len(rows)])
+        torch.round(high.sub_(parts[:len(rows)]).mul_(126), out=parts[len(rows):])
+        y = self._matmul(parts, _whole_numbers)
+        y = y[:len(rows)].add_(y[len(rows):], alpha=1 / 126).mul_(peak / 63)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -387,6 +412,11 @@ def checkpoint_columns(model: nn.Module, folder: str, loud: dict) -> dict:
         found["lm_head.weight"] = model.model.language_model.embed_tokens.weight[:, loud["lm_head"]]
     return {name: torch.cat([found[f"{part}.weight"] for part in names]).T for name, names in parts.items()
             if all(f"{part}.weight" in found for part in names)}
+
+
+def _whole_numbers(x: torch.Tensor, part) -> torch.Tensor:
+    """fbgemm's linear of x, whole numbers in [-63, 63], quantized at scale 1 and zero point 64: exactly."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 64, part)
 
 
 def _pack(qweight: torch.Tensor):
@@ -559,6 +589,14 @@ def _w8a16(name: str, linear: nn.Linear) -> nn.Module:
     return Int8WeightOnly.quantize(linear)
 
 
+def in_two_parts(model: nn.Module):
+    """w8a14: every fbgemm text linear quantizes each decode row in two parts (Int8Linear._two_part); the vision tower
+    only prefills."""
+    for name, module in model.named_modules():
+        if isinstance(module, Int8Linear) and not name.startswith("model.visual."):
+            module.two_part = True
+
+
 def describe(mode: str) -> str:
     """The precision/quantization of a concrete mode, as the engine reports it (and puts in its identity)."""
     return {
@@ -569,6 +607,8 @@ def describe(mode: str) -> str:
                 "channels apart, head int4, embedding bf16",
         "w8a16": "w8a16: int8 weights (a scale per row) with bf16 activations for every linear and the head, loud "
                  "text channels apart, embedding bf16",
+        "w8a14": "w8a14: fbgemm int8 linears and head, a scale per token, decode rows in two parts (14 bits), "
+                 "loud text channels apart, embedding bf16",
     }.get(mode, mode)
 
 
@@ -586,7 +626,7 @@ def load_model(source: str, mode: str, report=unreported) -> nn.Module:
         model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype).eval()
         lean.fuse(model)
         return model
-    convert = {"int8": _int8, "int4": _int4, "w8a16": _w8a16}[mode]
+    convert = {"int8": _int8, "w8a14": _int8, "int4": _int4, "w8a16": _w8a16}[mode]
     try:
         model = _load_converting(source, convert, report)
     except KeyError as e:  # a layout this loader does not know: convert after a whole bf16 load (more memory)
@@ -600,5 +640,7 @@ def load_model(source: str, mode: str, report=unreported) -> nn.Module:
     # bf16 gather (fp32 would add 1.2 GB for a lookup of one row per token).
     text.embed_tokens = Bf16Embedding(text.embed_tokens.weight)
     _float_rest(model)
+    if mode == "w8a14":
+        in_two_parts(model)
     set_loud_channels_apart(model, source)
     return model

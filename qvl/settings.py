@@ -82,11 +82,13 @@ class Settings:
         return self.host in ("127.0.0.1", "localhost", "::1") and not self.share
 
 
+QUANT_MODES = ("auto", "fp32", "bf16", "int8", "int4", "w8a16", "w8a14")
+
 _HELP = {
     "model": "hub id or local folder of a Qwen3-VL checkpoint",
     "require_model": "fail instead of falling back to the tiny offline model",
-    "quant": "weights: auto (int8 on AVX2; w8a16, activations never quantized, where bf16 is native), fp32, bf16, "
-             "int8, int4, w8a16",
+    "quant": "weights: auto (int8 on AVX2; w8a14, int8 with 14-bit activations, with AVX-512 VNNI), fp32, bf16, "
+             "int8, int4, w8a16, w8a14",
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",
@@ -182,8 +184,8 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> S
     gen_names = {f.name for f in fields(GenParams)}
     gen = GenParams(**{k: v for k, v in args.items() if k in gen_names})
     settings = Settings(**{k: v for k, v in args.items() if k not in gen_names}, gen=gen)
-    if settings.quant not in ("auto", "fp32", "bf16", "int8", "int4", "w8a16"):
-        parser.error(f"--quant must be one of auto, fp32, bf16, int8, int4, w8a16 (got {settings.quant!r})")
+    if settings.quant not in QUANT_MODES:
+        parser.error(f"--quant must be one of {', '.join(QUANT_MODES)} (got {settings.quant!r})")
     for name in ("kv_memory", "feature_cache_size"):
         try:
             if getattr(settings, name) != "auto":

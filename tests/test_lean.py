@@ -105,16 +105,18 @@ def test_a_stream_closed_early_leaves_only_the_tokens_fed_back(engine, prompt):
     assert len(taken) == 5 and cache.get_seq_length() == prompt["input_ids"].shape[1] + 4
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "w8a16"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w8a16", "w8a14"])
 def test_fused_quantized_linears_are_exactly_the_separate_ones(kind):
     """Weights are quantized row by row and the input once, so fusing changes no output bit."""
     torch.manual_seed(0)
     parts = [nn.Linear(256, n, bias=False).to(torch.bfloat16) for n in (128, 64, 64)]
     fused = lean._linear(parts, copy=True)
-    convert = {"int8": quant._int8, "int4": quant._int4, "w8a16": quant._w8a16}[kind]
+    convert = {"int8": quant._int8, "int4": quant._int4, "w8a16": quant._w8a16, "w8a14": quant._int8}[kind]
     separate = [convert(f"model.language_model.layers.0.self_attn.{p}", linear)
                 for p, linear in zip(("q_proj", "k_proj", "v_proj"), parts)]
     together = convert("model.language_model.layers.0.self_attn.qkv_proj", fused)
+    for linear in [*separate, together]:
+        linear.two_part = kind == "w8a14"
     for rows in (1, 16, 40):  # decode rows (int4's and w8a16's own kernels), prefill rows (int4's int8 twin, bf16 GEMM)
         x = torch.randn(rows, 256)
         assert torch.equal(together(x), torch.cat([linear(x) for linear in separate], -1))

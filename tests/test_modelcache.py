@@ -45,7 +45,7 @@ def converting(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "w8a16"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a16", "w8a14"])
 def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_path, mode, converting, caplog):
     caplog.set_level(logging.INFO, "qvl")
     store = ["--model-cache-dir", str(tmp_path / "models")]

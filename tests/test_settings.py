@@ -86,7 +86,7 @@ def test_help_lists_every_flag_with_its_default_without_loading_torch_or_gradio(
 
 def test_a_bad_flag_is_refused_before_torch_or_gradio_load():
     code, _, err, imported = run_app("--quant", "fp16")
-    assert code == 2 and "--quant must be one of auto, fp32, bf16, int8, int4, w8a16 (got 'fp16')" in err
+    assert code == 2 and "--quant must be one of auto, fp32, bf16, int8, int4, w8a16, w8a14 (got 'fp16')" in err
     assert not {"torch", "gradio", "transformers"} & imported
 
 
