@@ -403,9 +403,7 @@ def _onednn_int8(linear: torch.nn.Linear):
 # against fp32. The int4 and int8 weight-only kernels take bf16 activations (fast where the CPU has bf16 dot products).
 LINEAR_WAYS = {
     "int8, a scale per token, loud channels apart (`int8`)": lambda m, x: m.apart(x),
-    # Rows are quantized each on its own, so a prompt in decode-sized chunks is computed as decode steps compute it.
-    "int8, activations in two parts, loud channels apart (`w8a14`'s decode)":
-        lambda m, x: torch.cat([m.two_part(rows) for rows in x.split(quant.DECODE_ROWS, -2)], -2),
+    "int8, activations in two parts, loud channels apart (`w8a14`'s decode)": lambda m, x: _in_two_parts(m.apart, x),
     "int8, a scale per token": lambda m, x: m.int8(x),
     "int8, one scale per call": lambda m, x: m.int8._matmul(x),  # fbgemm's own call, as qvl had it
     "int8 weights, fp32 activations": lambda m, x: torch.nn.functional.linear(x, m.int8.weight().dequantize()),
@@ -416,15 +414,24 @@ LINEAR_WAYS = {
 }
 
 
+def _in_two_parts(linear: quant.Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """linear (an int8 one) computing x as w8a14 decodes: each row in two parts. Rows are quantized each on its own,
+    so a prompt in decode-sized chunks is computed as decode steps compute it. The same linear as `int8`'s: a copy of
+    the 2B's int8 weights more did not fit beside the others in 24 GB."""
+    linear.two_part = True
+    try:
+        return torch.cat([linear(rows) for rows in x.split(quant.DECODE_ROWS, -2)], -2)
+    finally:
+        linear.two_part = False
+
+
 class _Ways(torch.nn.Module):
     """A text linear of the fp32 model that computes the way `way` names (None: as it is)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.linear, self.int8, self.way = linear, quant._dynamic_int8(linear), None
-        self.apart = quant._dynamic_int8(linear)  # these three get their loud channels apart in linears()
-        self.two_part = quant._dynamic_int8(linear)
-        self.two_part.two_part = True
+        self.apart = quant._dynamic_int8(linear)  # these two get their loud channels apart in linears()
         self.w8a16_apart = quant.Int8WeightOnly.quantize(linear)
         self.int4 = quant.Int4Linear.quantize(linear, prefill=False)  # int4 for every row count, as it decodes
         self.w8a16 = quant.Int8WeightOnly.quantize(linear)
@@ -459,7 +466,6 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
     loud = quant.loud_channels(model, folder, {name: module.apart for name, module in ways.items()})
     for name, columns in quant.checkpoint_columns(model, folder, loud).items():
         ways[name].apart.set_apart(loud[name], columns)
-        ways[name].two_part.set_apart(loud[name], columns)
         ways[name].w8a16_apart.set_apart(loud[name], columns)
 
     reference = logits(None)
