@@ -6,14 +6,15 @@ int4 weight-only (group 128) 1.1; prefill (256 rows) fbgemm int8 216 GFLOP/s, fp
 bf16 19 (no bf16 instructions: bf16 matmuls are emulated). So on AVX2 fbgemm int8 wins both phases (`int8`).
 
 Where fbgemm has AVX-512 VNNI (Zen 4/5, Ice Lake, Sapphire Rapids) `auto` is `w8a14`: the same fbgemm int8 linears,
-each text activation row fed as two rows (its int8 levels and what they rounded off, 14 bits together,
-Int8Linear._two_part), which costs a decode step nothing there: VNNI's kernel reads the weights once for both rows
-and is bound by reading them. Measured on a 2-core Zen 4 (`python -m qvl.bench --random-weights [--outliers] --rows
-fp32,bf16,int8,w8a16,w8a14 --runs 1`, README's Speed section): the logits of `w8a16` (int8 weights, bf16 activations
-never quantized; 22.2/22.8 dB of SQNR against `int8`'s 17.4/18.4, plain/outliers) within 0.4 dB, at fbgemm's decode
-(1.3-1.6x `w8a16`'s, whose weight-only kernel reads bytes slower) and a first token 0.8x `w8a16`'s. On AVX2 alone
-fbgemm's kernel is not bound by memory (a Zen 1 core reads ~9 GB/s through it), so the second row has a price
-(~29%, a scratch measurement of an earlier version on the Zen 1) and `auto` stays `int8`. int4 (an int4 copy of each
+each text decode row fed as two rows (its int8 levels and what they rounded off, 14 bits together,
+Int8Linear._two_part). VNNI's kernel is bound by reading the weights, once for both rows, so the second row costs
+only the split's elementwise work. Measured on a 2-core Zen 4 (`python -m qvl.bench --random-weights [--outliers]
+--rows fp32,bf16,int8,w8a16,auto --runs 1`, README's Speed section): the logits of `w8a16` (int8 weights, bf16
+activations never quantized; 22.2/22.8 dB of SQNR against `int8`'s 17.4/18.4, plain/outliers) within 0.7 dB, a decode
+1.3x `w8a16`'s (whose weight-only kernel reads bytes slower) and 0.91-0.95x `int8`'s (one process, the two
+alternating), and `int8`'s first token, 0.65-0.8x `w8a16`'s. On AVX2 alone fbgemm's kernel is not bound by memory (a
+Zen 1 core reads ~9 GB/s through it), so the second row costs more (~29%, a scratch measurement of an earlier version
+on the Zen 1) and `auto` stays `int8`. int4 (an int4 copy of each
 text linear for decode, an fbgemm int8 one for prefill) decodes ~1.8x as fast on a Zen 5 but its g128 weights keep
 2 dB (`--linears`), and the two copies hold 0.38x fp32's memory. All stay available by name.
 
@@ -201,6 +202,8 @@ class Int8Linear(_Apart):
     those channels (found by set_loud_channels_apart when the checkpoint is converted) are zeroed in fbgemm's input
     and their part of the output added back in fp32 against the checkpoint's weights (LLM.int8()'s split, with the
     channels fixed in advance: no search per call). Three small ops a call, in linears that have any.
+
+    `w8a14` (two_part) feeds each decode row as two rows, whose 7 bits each make 14 (_two_part).
     """
 
     def __init__(self, qweight: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None, pack=map):
@@ -261,9 +264,9 @@ class Int8Linear(_Apart):
         [-63, 63], which fbgemm's quantization at scale 1 and zero point 64 keeps exactly (7 bits, its AVX2 kernel's
         headroom).
 
-        For decode rows only: there the kernel is bound by reading the weights, once for all rows, and the second
-        row is free (VNNI), while a prompt's rows are bound by computing them, and twice the rows took the random
-        2B's prefill from 5.4 to 7.5 s for 0.4 dB of the logits' SQNR (Zen 4, scratch prefill_variant.py)."""
+        For decode rows only: there VNNI's kernel is bound by reading the weights, once for all rows, while a
+        prompt's rows are bound by computing them, and twice the rows took the random 2B's prefill from 5.4 to 7.5 s
+        for 0.4 dB of the logits' SQNR (Zen 4, scratch prefill_variant.py)."""
         rows = x.reshape(-1, self.in_features)
         peak = rows.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
         high = rows * (63 / peak)
