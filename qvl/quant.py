@@ -14,9 +14,9 @@ activations never quantized; 22.2/22.8 dB of SQNR against `int8`'s 17.4/18.4, pl
 1.3x `w8a16`'s (whose weight-only kernel reads bytes slower) and 0.91-0.95x `int8`'s (one process, the two
 alternating), and `int8`'s first token, 0.65-0.8x `w8a16`'s. On AVX2 alone fbgemm's kernel is not bound by memory (a
 Zen 1 core reads ~9 GB/s through it), so the second row costs more (~29%, a scratch measurement of an earlier version
-on the Zen 1) and `auto` stays `int8`. int4 (an int4 copy of each
-text linear for decode, an fbgemm int8 one for prefill) decodes ~1.8x as fast on a Zen 5 but its g128 weights keep
-2 dB (`--linears`), and the two copies hold 0.38x fp32's memory. All stay available by name.
+on the Zen 1) and `auto` stays `int8`. int4 (an int4 copy of each text linear for decode, an fbgemm int8 one for
+prefill) decodes ~1.8x as fast on a Zen 5 but its g128 weights keep 2 dB (`--linears`), and the two copies hold 0.38x
+fp32's memory. All stay available by name.
 
 The quantized modes stream the checkpoint tensor by tensor into an uninitialised skeleton and
 convert each linear as it arrives, so loading never holds a full bf16 copy beside the quantized one (2B int8: 3.3 GB
@@ -50,7 +50,7 @@ def resolve(mode: str, flags: frozenset[str] | None = None) -> str:
     if mode != "auto":
         return mode
     flags = cpu.flags() if flags is None else flags
-    if "VNNI" in flags:  # fbgemm reads a second row at no cost: w8a16's quality at int8's speed (module docstring)
+    if "VNNI" in flags:  # fbgemm reads a second row nearly free: w8a16's quality near int8's speed (module docstring)
         return "w8a14"
     # fbgemm needs AVX2; without it, it and the int4 kernel fall back to scalar loops slower than fp32.
     return "int8" if "AVX2" in flags else "fp32"
