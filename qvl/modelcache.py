@@ -19,9 +19,12 @@ than a large one: int8 linears are packed in pieces of quant.PIECE values, so th
 the engine repacks them, between requests, into the fewer pieces that decode faster (Int8Linear.settle). Pieces
 change no output bit.
 
-The file is read with plain reads into memory, not memory-mapped: fbgemm copies every int8 weight into its packed
-layout, and a mapping would keep the source pages resident beside the copy. So loading holds the stored tensors
-plus one packed layer at most, the same peak as converting.
+The file is memory-mapped (privately, never written), not read into buffers: reads into fresh memory cost the 2B's
+2.8 GB a page fault per 4 KB and a copy out of the page cache, 1-1.4 s of kernel time of the ~1.7 s reading took
+(Zen 4, scratch readspeed.py), where a mapping of the page cache costs next to none. fbgemm copies each int8 weight
+into its packed layout, what the model keeps as stored (the bf16 token table, norms, biases) is copied out, and
+either way the pages are then dropped from the mapping (they stay in the page cache, out of the process's memory).
+So loading holds the stored tensors plus a few packed modules at most, the same peak as converting.
 
 Reading and packing need only torch: read_ahead() lets a start begin them before transformers and Gradio import
 (seconds of one core; packing releases the GIL), and the model is then assembled from that Reader, each linear taken
@@ -33,6 +36,7 @@ import hashlib
 import itertools
 import json
 import logging
+import mmap
 import os
 import threading
 import weakref
@@ -262,11 +266,19 @@ class Reader:
     def __init__(self, file: Path, want: dict, workers: int | None = None):
         self.file, self._workers = file, workers or torch.get_num_threads()
         with open(file, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        self._metadata = header.pop("__metadata__", {})
-        if (found := {k: self._metadata.get(k) for k in want}) != want:
-            raise ValueError(f"made for {found}, not {want}")
-        self.names = set(header)
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+            self._metadata = header.pop("__metadata__", {})
+            if (found := {k: self._metadata.get(k) for k in want}) != want:
+                raise ValueError(f"made for {found}, not {want}")
+            # A mapping read past the file's end kills the process (SIGBUS), so a truncated file is refused here.
+            # qvl replaces files whole (os.replace), never truncating one in place, and the mapping lives only while
+            # the model loads (what the model keeps is copied out).
+            self._spans = {name: [8 + size + offset for offset in meta["data_offsets"]] for name, meta in header.items()}
+            if max((end for _, end in self._spans.values()), default=0) > os.fstat(f.fileno()).st_size:
+                raise ValueError("truncated")
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # copy on write: writable, never written
+        self.names, self._header = set(header), header
         self._ready, self._done, self._error = {}, False, None
         self._changed, self._closing = threading.Condition(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="read-ahead", daemon=True)
@@ -302,12 +314,16 @@ class Reader:
             crc = [0]
             for name, linear in quant.side_by_side(self._modules(crc), self._workers):
                 self._put(name, linear)
-                heap.trim()  # the int8 copy fbgemm packed from
+                heap.trim()  # the qint8 copy fbgemm packed from
             if not self._closing.is_set() and f"{crc[0]:08x}" != self._metadata["crc32"]:
                 raise ValueError("data does not match its CRC-32")
         except Exception as e:
             self._error = e
         finally:
+            try:  # nothing handed out points into it: a file changed later cannot reach this process
+                self._map.close()
+            except BufferError:  # a view is still held (by an error's traceback): unmapped once that is freed
+                pass
             with self._changed:
                 self._done = True
                 self._changed.notify_all()
@@ -316,21 +332,44 @@ class Reader:
         """(module name, job packing its Int8Linear) for each fbgemm weight, in file order (the file holds each
         module's tensors together); every other tensor is put out as it is read."""
         module, pending = None, {}
-        for name, tensor in itertools.chain(quant.file_tensors(self.file), [("", None)]):  # "": the end
+        self._map.madvise(mmap.MADV_WILLNEED)  # from a cold disk, read ahead while the first modules are packed
+        for name, tensor in itertools.chain(self._mapped(), [("", None)]):  # "": the end
             if self._closing.is_set():
                 return
             owner = name.rpartition(".")[0]
             if owner != module and pending:
-                yield module, functools.partial(_fbgemm, pending, module, self._workers)
+                yield module, functools.partial(_fbgemm, pending, module, self._workers, self._drop)
                 pending = {}
             module = owner
             if tensor is None:
                 continue
             crc[0] = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc[0])
+            if name == f"{owner}.qweight":  # a view: fbgemm copies it into its packed layout, then it is dropped
+                pending[name] = tensor
+                continue
+            # What the model keeps is copied out: kernels may read past a tensor's end (torch's int8 weight-only
+            # kernel reads whole blocks of rows), which past the mapping's end is a crash.
+            kept = tensor.clone()
+            self._drop(name)
             if f"{owner}.qweight" in self.names:
-                pending[name] = tensor  # packed once its module is complete
+                pending[name] = kept  # packed with its module's weight once that module is complete
             else:
-                self._put(name, tensor)
+                self._put(name, kept)
+
+    def _mapped(self):
+        """(name, tensor) for each stored tensor in file order, a view of the mapping."""
+        for name, (start, end) in sorted(self._spans.items(), key=lambda item: item[1]):
+            dtype = quant.DTYPES[self._header[name]["dtype"]]
+            yield name, (torch.frombuffer(self._map, dtype=dtype, offset=start, count=(end - start) // dtype.itemsize)
+                         if end > start else torch.empty(0, dtype=dtype)).reshape(self._header[name]["shape"])
+
+    def _drop(self, name: str):
+        """Drop the pages of the tensor stored under name (once copied) from the mapping, and so from the process's
+        memory."""
+        start, end = self._spans[name]
+        start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages within it: never a neighbour's
+        if (length := end // mmap.PAGESIZE * mmap.PAGESIZE - start) > 0:
+            self._map.madvise(mmap.MADV_DONTNEED, start, length)
 
     def _put(self, name: str, item):
         with self._changed:
@@ -385,9 +424,10 @@ def _linear(reader: Reader, prefix: str, out_features: int) -> nn.Module:
                             prefill)
 
 
-def _fbgemm(tensors: dict, prefix: str, workers: int) -> nn.Module:
+def _fbgemm(tensors: dict, prefix: str, workers: int, drop) -> nn.Module:
     weight = quant.per_channel_qint8(
         tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.zero_point"))
+    drop(f"{prefix}.qweight")  # copied: its stored pages need not stay beside the packed layout
     bias = tensors.pop(f"{prefix}.bias", None)
     # In pieces, which fbgemm packs faster; the engine settles them into whole linears once it is serving.
     rows = max(1, quant.PIECE // weight.shape[1])

@@ -63,6 +63,23 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
             assert torch.equal(second.model(input_ids=rows).logits, first.model(input_ids=rows).logits)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/maps")
+@pytest.mark.parametrize("mode", ["int8", "w8a16"])
+def test_a_loaded_model_maps_nothing_of_the_file_so_a_later_change_to_it_is_harmless(tiny_dir, tmp_path, mode,
+                                                                                    converting):
+    # The file is memory-mapped while it is read; were a page of it still mapped, touching it after the file was
+    # truncated in place would kill the process (SIGBUS). The app keeps its read-ahead for as long as it runs.
+    want = _answer(_start(tiny_dir, mode, "--model-cache-dir", str(tmp_path)))
+    config = _settings(tiny_dir, mode, "--model-cache-dir", str(tmp_path))
+    ahead = modelcache.read_ahead(config)
+    engine = Engine(config, ahead)
+    assert ahead is not None and engine.settled.wait(60)
+    [file] = tmp_path.iterdir()
+    assert len(converting) == 1 and str(file) not in open("/proc/self/maps").read()
+    _truncate(file)
+    assert _answer(engine) == want
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4", "w8a16"])
 def test_a_second_start_reads_the_loud_channels_that_the_first_found_and_answers_the_same(loud_dir, tmp_path, mode,
                                                                                             converting):
@@ -147,10 +164,10 @@ def test_the_weights_are_read_packed_and_repacked_below_the_priority_of_the_page
     want = _answer(_start(tiny_dir, "int8", *store))
     monkeypatch.setattr(quant, "PIECE", 64 * 8)  # pieces, so that every kind of packing thread has work
     monkeypatch.setattr(modelcache, "MANY_PIECES", 4)
-    packs, reads, pack, file_tensors = [], [], quant._pack, quant.file_tensors
+    packs, reads, pack, mapped = [], [], quant._pack, modelcache.Reader._mapped
     monkeypatch.setattr(quant, "_pack", lambda w: packs.append((threading.current_thread().name, _priority())) or
                         pack(w))
-    monkeypatch.setattr(quant, "file_tensors", lambda file: reads.append(_priority()) or file_tensors(file))
+    monkeypatch.setattr(modelcache.Reader, "_mapped", lambda self: reads.append(_priority()) or mapped(self))
     engine = _start(tiny_dir, "int8", "--threads", "2", *store)
     assert engine.settled.wait(60)
     mine = _priority()  # the thread that builds the page and answers
@@ -190,7 +207,8 @@ def test_there_is_nothing_to_read_ahead_without_a_stored_model(tiny_dir, tmp_pat
     for missing in (str(tmp_path / "no-such-folder"), "no/such/hub-id", "not/a/hub/id"):  # the engine says why
         assert modelcache.read_ahead(_settings(missing, "int8", *store)) is None
     _start(tiny_dir, "int8", *store)
-    assert modelcache.read_ahead(_settings(tiny_dir, "int8", *store)) is not None
+    (ahead := modelcache.read_ahead(_settings(tiny_dir, "int8", *store))).close()
+    assert ahead is not None
     assert modelcache.read_ahead(_settings(tiny_dir, "int8", "--no-model-cache", *store)) is None
     assert modelcache.read_ahead(_settings(tiny_dir, "fp32", *store)) is None
     assert modelcache.read_ahead(_settings(tiny_dir, "int4", *store)) is None  # no int4 model kept
