@@ -21,10 +21,10 @@ change no output bit.
 
 The file is memory-mapped (privately, never written), not read into buffers: reads into fresh memory cost the 2B's
 2.8 GB a page fault per 4 KB and a copy out of the page cache, 1-1.4 s of kernel time of the ~1.7 s reading took
-(Zen 4, scratch readspeed.py), where a mapping of the page cache costs next to none. fbgemm copies each int8 weight
-into its packed layout, what the model keeps as stored (the bf16 token table, norms, biases) is copied out, and
-either way the pages are then dropped from the mapping (they stay in the page cache, out of the process's memory).
-So loading holds the stored tensors plus a few packed modules at most, the same peak as converting.
+(Zen 4, scratch readspeed.py), where a mapping of the page cache costs next to none. fbgemm packs each int8 weight
+straight from the mapping into its own layout, what the model keeps as stored (the bf16 token table, norms, biases)
+is copied out, and either way the pages are then dropped from the mapping (they stay in the page cache, out of the
+process's memory). So loading holds the stored tensors plus a few packed modules at most, as converting does.
 
 Reading and packing need only torch: read_ahead() lets a start begin them before transformers and Gradio import
 (seconds of one core; packing releases the GIL), and the model is then assembled from that Reader, each linear taken
@@ -314,7 +314,6 @@ class Reader:
             crc = [0]
             for name, linear in quant.side_by_side(self._modules(crc), self._workers):
                 self._put(name, linear)
-                heap.trim()  # the qint8 copy fbgemm packed from
             if not self._closing.is_set() and f"{crc[0]:08x}" != self._metadata["crc32"]:
                 raise ValueError("data does not match its CRC-32")
         except Exception as e:
@@ -344,7 +343,7 @@ class Reader:
             if tensor is None:
                 continue
             crc[0] = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc[0])
-            if name == f"{owner}.qweight":  # a view: fbgemm copies it into its packed layout, then it is dropped
+            if name == f"{owner}.qweight":  # a view: fbgemm packs from it, then it is dropped
                 pending[name] = tensor
                 continue
             # What the model keeps is copied out: kernels may read past a tensor's end (torch's int8 weight-only
@@ -425,9 +424,8 @@ def _linear(reader: Reader, prefix: str, out_features: int) -> nn.Module:
 
 
 def _fbgemm(tensors: dict, prefix: str, workers: int, drop) -> nn.Module:
-    weight = quant.per_channel_qint8(
+    weight = quant.per_channel_qint8(  # over the mapping: fbgemm packs straight from the page cache
         tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.zero_point"))
-    drop(f"{prefix}.qweight")  # copied: its stored pages need not stay beside the packed layout
     bias = tensors.pop(f"{prefix}.bias", None)
     # In pieces, which fbgemm packs faster; the engine settles them into whole linears once it is serving.
     rows = max(1, quant.PIECE // weight.shape[1])
@@ -436,6 +434,8 @@ def _fbgemm(tensors: dict, prefix: str, workers: int, drop) -> nn.Module:
     else:  # the 2B's head, 75 pieces and last in the file, was the last ~3 s of a start on one core, the other idle
         with ThreadPoolExecutor(workers, thread_name_prefix="pack", initializer=cpu.background) as pool:
             linear = quant.Int8Linear(weight, bias, rows=rows, pack=pool.map)
+    del weight
+    drop(f"{prefix}.qweight")  # packed: its stored pages need not stay beside the packed layout
     if f"{prefix}.apart" in tensors:
         linear.set_apart(tensors.pop(f"{prefix}.apart"), tensors.pop(f"{prefix}.columns"))
     return linear

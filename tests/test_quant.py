@@ -270,6 +270,17 @@ def _int8_weight(rows=100, columns=256):
     return quant._dynamic_int8(torch.nn.Linear(columns, rows, bias=False)).weight()
 
 
+def test_the_qint8_weight_fbgemm_packs_is_its_int8_values_own_memory_and_packs_as_a_copy_would():
+    values = torch.randint(-127, 128, (96, 64), dtype=torch.int8)
+    scale, zero_point = torch.rand(96, dtype=torch.float64) + 0.01, torch.zeros(96, dtype=torch.int64)
+    weight = quant.per_channel_qint8(values, scale, zero_point)
+    assert weight.data_ptr() == values.data_ptr()  # no copy (a start of the 2B made 2.1 B values' worth)
+    copy = torch._make_per_channel_quantized_tensor(values, scale, zero_point, 0)
+    assert weight.data_ptr() != copy.data_ptr() and torch.equal(weight.dequantize(), copy.dequantize())
+    x = torch.randn(5, 64)
+    assert torch.equal(quant.Int8Linear(weight, None, rows=32)(x), quant.Int8Linear(copy, None, rows=32)(x))
+
+
 def test_int8_pieces_give_the_whole_linears_output_bit_for_bit():
     weight = _int8_weight()
     whole, pieces = quant.Int8Linear(weight, torch.randn(100)), quant.Int8Linear(weight, torch.randn(100), rows=16)
