@@ -274,3 +274,42 @@ def test_an_app_stopped_while_its_weights_load_exits_at_once_and_cleanly(tiny_di
     assert "page served, API while loading: 503" in child.stdout, child.stderr[-3000:]
     assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-3000:]
     assert "exiting while the model loads" in child.stderr and time.monotonic() - started < 90
+
+
+SWITCH_INTERVALS = """
+import os, signal, sys, threading, time
+import httpx
+from qvl import modelcache
+import app
+seen, load = [], modelcache.load
+modelcache.load = lambda *a, **k: seen.append(sys.getswitchinterval()) or load(*a, **k)
+url = f"http://127.0.0.1:{sys.argv[3]}/"
+
+def once_answering():
+    body = {"model": "qvl", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    while True:
+        try:
+            if httpx.post(url + "v1/chat/completions", json=body, timeout=60).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    for _ in range(100):  # the ready event's thread restores it, a moment after
+        if sys.getswitchinterval() == app.SERVING_SWITCH_S:
+            break
+        time.sleep(0.1)
+    print("loading:", seen, "serving:", sys.getswitchinterval(), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=once_answering, daemon=True).start()
+sys.argv = ["app.py", "--model", sys.argv[1], "--quant", "int8", "--no-cache", "--cache-dir", sys.argv[2],
+            "--model-cache-dir", sys.argv[2], "--port", sys.argv[3]]
+app.main()
+"""
+
+
+def test_the_gil_changes_hands_often_while_the_model_loads_and_as_usual_once_it_serves(tiny_dir, tmp_path,
+                                                                                       python_child):
+    child = python_child(SWITCH_INTERVALS, tiny_dir, tmp_path, stress.free_port())
+    assert "loading: [0.0005] serving: 0.005" in child.stdout, child.stdout + child.stderr[-3000:]
+    assert child.returncode == 0, child.stderr[-3000:]
