@@ -8,11 +8,6 @@ import threading
 from qvl import heap, settings  # light: --help and a flag error answer before torch and gradio load (seconds)
 
 log = logging.getLogger("qvl")
-# While the model loads, the GIL changes hands at this interval instead of Python's 5 ms: fbgemm packs a piece of a
-# weight in ~20 ms with the GIL released and then waits for it while the imports or the page's building hold it
-# (sampled: the packing threads got ~0.6 of the core the imports left them). A second start of the 2B answered at a
-# median of 13.95 s against 14.95, sooner in 10 of 14 alternating pairs (Zen 4, 2026-12-03, scratch appstart.py).
-LOADING_SWITCH_S, SERVING_SWITCH_S = 0.0005, sys.getswitchinterval()
 
 
 def main():
@@ -20,14 +15,14 @@ def main():
     heap.limit_arenas()  # before the model, the server and their threads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes, one line each
+    from qvl import cpu
+
     if not config.backend:
         from qvl import modelcache
 
-        sys.setswitchinterval(LOADING_SWITCH_S)  # until warmed up
+        sys.setswitchinterval(cpu.LOADING_SWITCH_S)  # until warmed up
         # A stored quantized model is read and packed (fbgemm releases the GIL) while the imports below run.
         ahead = modelcache.read_ahead(config)
-    from qvl import cpu
-
     log.info("CPU: %s", cpu.describe())
     if config.backend:  # a model server elsewhere answers: no torch here
         from qvl.remote import RemoteEngine
@@ -53,7 +48,7 @@ def main():
 
 def serve(engine, config):
     """The page, the OpenAI API and the warm-up, until Ctrl+C or SIGTERM."""
-    from qvl import answers, cache, idle, openai_api, tool, ui
+    from qvl import answers, cache, cpu, idle, openai_api, tool, ui
 
     answerer = answers.Answerer(engine, cache.AnswerCache(config.cache_dir, config.cache_size, enabled=config.cache),
                                 config)
@@ -71,8 +66,8 @@ def serve(engine, config):
     )
     # The page serves at once and says it is warming up; questions asked meanwhile wait in line for the engine.
     threading.Thread(target=engine.warm_up, args=ui.warm_up_request(), name="warm-up", daemon=True).start()
-    threading.Thread(target=lambda: engine.ready.wait() and sys.setswitchinterval(SERVING_SWITCH_S), name="ready",
-                     daemon=True).start()  # the GIL's usual hand-over once the model is in and warmed up
+    threading.Thread(target=lambda: engine.ready.wait() and sys.setswitchinterval(cpu.SERVING_SWITCH_S),
+                     name="ready", daemon=True).start()  # the GIL's usual hand-over once the model is in and warmed up
     log.info("qvl is up: open %s in a browser%s", demo.local_url,
              "" if engine.ready.is_set() else " (questions asked while the model loads and warms up wait in line)")
     if config.mcp:

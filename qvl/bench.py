@@ -486,6 +486,7 @@ def child(args, ahead: modelcache.Reader | None):
             "--model-cache-dir", args.model_cache_dir]
     engine = Engine(settings.parse(argv, env={k: v for k, v in os.environ.items() if k == "QVL_THREADS"}), ahead)
     ready_s = process_age()  # the model is in: a request could be answered, paying the first call's costs
+    sys.setswitchinterval(cpu.SERVING_SWITCH_S)
     engine.settled.wait()  # a start from the model cache repacks its pieces in the background: time the result
     settled_s = process_age()
     if args.child.endswith("+compile"):  # the language model only: the vision tower runs once per image
@@ -531,7 +532,8 @@ def child(args, ahead: modelcache.Reader | None):
 # A row's process starts the way app.py does: the stored model read ahead while transformers imports.
 CHILD = """
 import os, sys
-from qvl import modelcache, settings
+from qvl import cpu, modelcache, settings
+sys.setswitchinterval(cpu.LOADING_SWITCH_S)  # until the engine is ready
 flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 ahead = modelcache.read_ahead(settings.parse([f for k in ("--model", "--quant", "--model-cache-dir")
                                               for f in (k, flags[k])], env={k: v for k, v in os.environ.items()

@@ -1,6 +1,7 @@
 """What CPU this process really runs on: usable cores and the instruction sets that pick kernels."""
 import os
 import platform
+import sys
 import threading
 from functools import cache
 from pathlib import Path
@@ -42,6 +43,14 @@ def background(lower: int = 10):
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + lower))
     except OSError:
         pass
+
+
+# While a model loads, the GIL changes hands at this interval instead of Python's 5 ms (SERVING_SWITCH_S, once it is
+# ready): fbgemm packs a piece of a weight in ~20 ms with the GIL released and then waits for it while the imports or
+# the page's building hold it (sampled: the packing threads got ~0.6 of the core the imports left them). A second
+# start of the 2B app answered at a median of 13.95 s against 14.95, sooner in 10 of 14 alternating pairs (Zen 4,
+# 2026-12-03, scratch appstart.py).
+LOADING_SWITCH_S, SERVING_SWITCH_S = 0.0005, sys.getswitchinterval()
 
 
 # AMD (family, first model, last model, core): cloud VMs often name the CPU only "AMD EPYC", and this project's dev VMs

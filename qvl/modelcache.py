@@ -274,7 +274,8 @@ class Reader:
             # A mapping read past the file's end kills the process (SIGBUS), so a truncated file is refused here.
             # qvl replaces files whole (os.replace), never truncating one in place, and the mapping lives only while
             # the model loads (what the model keeps is copied out).
-            self._spans = {name: [8 + size + offset for offset in meta["data_offsets"]] for name, meta in header.items()}
+            self._spans = {name: [8 + size + offset for offset in meta["data_offsets"]]
+                           for name, meta in header.items()}
             if max((end for _, end in self._spans.values()), default=0) > os.fstat(f.fileno()).st_size:
                 raise ValueError("truncated")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # copy on write: writable, never written

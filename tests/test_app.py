@@ -279,7 +279,7 @@ def test_an_app_stopped_while_its_weights_load_exits_at_once_and_cleanly(tiny_di
 SWITCH_INTERVALS = """
 import os, signal, sys, threading, time
 import httpx
-from qvl import modelcache
+from qvl import cpu, modelcache
 import app
 seen, load = [], modelcache.load
 modelcache.load = lambda *a, **k: seen.append(sys.getswitchinterval()) or load(*a, **k)
@@ -295,7 +295,7 @@ def once_answering():
             pass
         time.sleep(0.2)
     for _ in range(100):  # the ready event's thread restores it, a moment after
-        if sys.getswitchinterval() == app.SERVING_SWITCH_S:
+        if sys.getswitchinterval() == cpu.SERVING_SWITCH_S:
             break
         time.sleep(0.1)
     print("loading:", seen, "serving:", sys.getswitchinterval(), flush=True)
