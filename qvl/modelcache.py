@@ -332,7 +332,8 @@ class Reader:
         """(module name, job packing its Int8Linear) for each fbgemm weight, in file order (the file holds each
         module's tensors together); every other tensor is put out as it is read."""
         module, pending = None, {}
-        self._map.madvise(mmap.MADV_WILLNEED)  # from a cold disk, read ahead while the first modules are packed
+        if hasattr(mmap, "MADV_WILLNEED"):  # not on Windows
+            self._map.madvise(mmap.MADV_WILLNEED)  # from a cold disk, read ahead while the first modules are packed
         for name, tensor in itertools.chain(self._mapped(), [("", None)]):  # "": the end
             if self._closing.is_set():
                 return
@@ -368,8 +369,8 @@ class Reader:
         memory."""
         start, end = self._spans[name]
         start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages within it: never a neighbour's
-        if (length := end // mmap.PAGESIZE * mmap.PAGESIZE - start) > 0:
-            self._map.madvise(mmap.MADV_DONTNEED, start, length)
+        if (length := end // mmap.PAGESIZE * mmap.PAGESIZE - start) > 0 and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, length)  # (Windows has no madvise: kept until closed)
 
     def _put(self, name: str, item):
         with self._changed:
