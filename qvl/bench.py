@@ -40,7 +40,7 @@ import torch
 from PIL import Image, ImageDraw
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from qvl import cpu, generate, lean, modelcache, quant, settings, tiny
+from qvl import cpu, generate, jit, lean, modelcache, quant, settings, tiny
 from qvl.engine import Engine, Turn
 
 CONFIG = Path(__file__).with_name("qwen3-vl-2b-instruct.config.json")
@@ -71,6 +71,7 @@ ROWS = {
     "auto+jemalloc": ("auto", {"LD_PRELOAD": JEMALLOC}, []),
     "auto+tcmalloc": ("auto", {"LD_PRELOAD": TCMALLOC}, []),
     "auto+1thread": ("auto", {"QVL_THREADS": "1"}, []),
+    "auto+nojit": ("auto", {"QVL_JIT": "0"}, []),  # the decode step on torch's ops alone, without qvl.jit's kernels
     "auto+pinned": ("auto", {}, ["taskset", "-c", ",".join(map(str, sorted(os.sched_getaffinity(0))))]),
 }
 DEFAULT_ROWS = "fp32,bf16,bf16+compile,int8,int4,auto,auto+jemalloc"
@@ -484,7 +485,10 @@ def child(args, ahead: modelcache.Reader | None):
     features = tempfile.mkdtemp()  # the image-feature store starts empty, and the user's is left alone
     argv = ["--model", args.model, "--quant", args.quant, "--no-cache", "--require-model", "--cache-dir", features,
             "--model-cache-dir", args.model_cache_dir]
-    engine = Engine(settings.parse(argv, env={k: v for k, v in os.environ.items() if k == "QVL_THREADS"}), ahead)
+    # The decode kernels compile once into the app's numba cache, not in every row's background.
+    os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(settings.Settings().cache_dir, "numba"))
+    engine = Engine(settings.parse(argv, env={k: v for k, v in os.environ.items() if k in ("QVL_THREADS", "QVL_JIT")}),
+                    ahead)
     ready_s = process_age()  # the model is in: a request could be answered, paying the first call's costs
     sys.setswitchinterval(cpu.SERVING_SWITCH_S)
     engine.settled.wait()  # a start from the model cache repacks its pieces in the background: time the result
@@ -510,7 +514,7 @@ def child(args, ahead: modelcache.Reader | None):
         ids = list(generate.stream(engine.model, inputs, params, threading.Event()))
         torch.save({"ids": ids, "logits": teacher_forced_logits(engine.model, inputs, ids)}, reference)
     row = {
-        "name": args.child, "precision": engine.precision, "threads": engine.threads,
+        "name": args.child, "precision": engine.precision, "threads": engine.threads, "jit": jit.ready.is_set(),
         "ready_s": ready_s, "settled_s": settled_s, "load_s": load_s, "read_ahead": ahead is not None,
         "ttft_s": statistics.median(s.ttft_s for s in runs),
         "decode_tok_s": statistics.median(s.decode_tok_s for s in runs),

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-from qvl import conversation, cpu, features, generate, heap, images, kv, modelcache, quant, texts, tiny
+from qvl import conversation, cpu, features, generate, heap, images, jit, kv, modelcache, quant, texts, tiny
 from qvl.cache import parse_size
 from qvl.conversation import Stats, Turn
 from qvl.images import InputError
@@ -187,7 +187,12 @@ class Engine:
         """In the background, at a low priority and never while a request runs, once the model is in: keep the model
         that a first start converted (modelcache.load's keep, a tensor at a time, while its weights are still in pieces,
         which unpack faster too), and repack the int8 linears, which every start packs in pieces (quick to pack, a few
-        calls more per step), into fewer, a run of pieces at a time; then set settled."""
+        calls more per step), into fewer, a run of pieces at a time; then set settled.
+
+        First of all, the decode step's numba kernels are compiled (jit.warm), before this thread lowers its priority:
+        numba's thread pool starts with them, and its threads keep the priority of the thread that starts them."""
+        if self.settings.jit and self._idle():
+            jit.warm(self.settings.cache_dir)
         cpu.background()
         if keep is not None:
             keep(self._idle)

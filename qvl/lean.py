@@ -20,6 +20,8 @@ from transformers.initialization import no_init_weights
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb, eager_attention_forward
 
+from qvl import jit
+
 # A fused linear's name -> the checkpoint linears whose rows it holds, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 PART = {part: (fused, i) for fused, parts in FUSED.items() for i, part in enumerate(parts)}
@@ -78,12 +80,15 @@ class Attention(nn.Module):
         q, k = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, -1), sin).split(self.heads[:2], 1)
         keys[:, :, n:n + 1] = k
         values[:, :, n:n + 1] = v
-        # Each key/value head against the query heads that share it, the cache as the left operand: one pass over
-        # it, (positions x head_dim) @ (head_dim x queries). SDPA's kernel took 0.55 ms a layer of the 2B at 465
-        # positions and 2.13 at 2000 where this takes 0.42 and 1.67 (cache out of CPU caches, Zen 4, scratch att2.py).
-        queries = q.view(self.heads[1], -1, self.head_dim).transpose(1, 2)
-        weights = torch.matmul(keys[0, :, :n + 1], queries).mul_(self.scaling).softmax(1)
-        out = torch.matmul(weights.transpose(1, 2), values[0, :, :n + 1])  # key/value heads x their queries
+        queries = q.view(self.heads[1], -1, self.head_dim)  # key/value heads x the query heads that share each
+        if jit.ready.is_set() and keys.dtype == torch.float32:  # numpy, and so numba, has no bfloat16
+            out = jit.attend(queries, keys[0], values[0], n + 1, self.scaling)
+        else:
+            # The cache as the left operand: one pass over it, (positions x head_dim) @ (head_dim x queries). SDPA's
+            # kernel took 0.55 ms a layer of the 2B at 465 positions and 2.13 at 2000 where this takes 0.42 and 1.67
+            # (cache out of CPU caches, Zen 4, scratch att2.py).
+            weights = torch.matmul(keys[0, :, :n + 1], queries.transpose(1, 2)).mul_(self.scaling).softmax(1)
+            out = torch.matmul(weights.transpose(1, 2), values[0, :, :n + 1])
         return self.o_proj(out.view(1, 1, -1))
 
     def qk_weight(self) -> torch.Tensor:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from qvl import cpu, heap
+from qvl import cpu, heap, jit
 
 log = logging.getLogger("qvl")
 
@@ -269,16 +269,29 @@ class Int8Linear(_Apart):
 
         For decode rows only: there VNNI's kernel is bound by reading the weights, once for all rows, while a
         prompt's rows are bound by computing them, and twice the rows took the random 2B's prefill from 5.4 to 7.5 s
-        for 0.4 dB of the logits' SQNR (Zen 4, scratch prefill_variant.py)."""
-        rows = x.reshape(-1, self.in_features)
-        peak = rows.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
-        high = rows * (63 / peak)
-        parts = torch.empty(2 * len(rows), self.in_features)
-        torch.round(high, out=parts[:len(rows)])
-        torch.round(high.sub_(parts[:len(rows)]).mul_(126), out=parts[len(rows):])
-        y = self._matmul(parts, _whole_numbers)
-        y = y[:len(rows)].add_(y[len(rows):], alpha=1 / 126).mul_(peak / 63)
+        for 0.4 dB of the logits' SQNR (Zen 4, scratch prefill_variant.py). The split and the join are jit's kernels
+        once they are compiled: in torch's ops they are ~14 calls of a few microseconds each."""
+        rows = x.reshape(-1, self.in_features).contiguous()
+        if jit.ready.is_set():
+            parts, levels = jit.split(rows)
+            y = jit.join(self._matmul(parts, _whole_numbers), levels)
+        else:
+            parts, levels = self._split(rows)
+            y = self._matmul(parts, _whole_numbers)
+            y = y[:len(rows)].add_(y[len(rows):], alpha=1 / 126).mul_(levels)
         return y.view(*x.shape[:-1], self.out_features)
+
+    @staticmethod
+    def _split(rows):
+        """jit._split_kernel in torch's ops: rows as their whole numbers over each row's level (peak / 63), then what
+        those rounded off times 126 (fbgemm rounds it, as it rounds its input), and the levels."""
+        levels = rows.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(rows.dtype).tiny).div_(63)
+        h = rows / levels
+        parts = torch.empty(2 * len(rows), rows.shape[1])
+        high, low = parts.split(len(rows))
+        torch.round(h, out=high)
+        torch.sub(h, high, out=low).mul_(126)
+        return parts, levels
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

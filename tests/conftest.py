@@ -2,12 +2,13 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from qvl import bench, settings, stress, tiny
+from qvl import bench, jit, settings, stress, tiny
 from qvl.engine import Engine
 
 
@@ -68,6 +69,30 @@ def python_child():
     return lambda script, *args: subprocess.run(
         [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def numba_cache(tmp_path_factory):
+    """One numba cache for the session, this process's and every app it starts: the decode kernels compile once
+    (seconds), not in each app's background."""
+    os.environ["NUMBA_CACHE_DIR"] = str(tmp_path_factory.mktemp("numba"))
+
+
+@pytest.fixture(params=["torch", "jit"])
+def kernels(request, engine, monkeypatch) -> tuple[str, list]:
+    """Decode on torch's ops, or on qvl.jit's numba kernels; returns the choice and the names of the kernels called
+    (proof that they ran). The session engine's background work, which warms the kernels, is over first: it would
+    switch them on mid-test."""
+    engine.settled.wait()
+    assert jit.warm(engine.settings.cache_dir)
+    ready, calls = threading.Event(), []
+    if request.param == "jit":
+        ready.set()
+    monkeypatch.setattr(jit, "ready", ready)
+    for name in ("attend", "split"):
+        kernel = getattr(jit, name)
+        monkeypatch.setattr(jit, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
+    return request.param, calls
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,8 @@ def test_every_text_layer_is_fused_and_the_vision_tower_left_alone(engine):
     assert any(isinstance(m, nn.Linear) for m in model.model.visual.modules())
 
 
-def test_lean_steps_give_transformers_logits_position_by_position(engine, plain, prompt, monkeypatch):
+def test_lean_steps_give_transformers_logits_position_by_position(engine, plain, prompt, kernels, monkeypatch):
+    """On torch's ops and on the numba kernels (qvl.jit) alike."""
     tokens = torch.randint(0, 256, (STEPS,), generator=torch.Generator().manual_seed(0)).tolist()
     calls = _spy(monkeypatch)
     with torch.inference_mode():
@@ -64,17 +65,21 @@ def test_lean_steps_give_transformers_logits_position_by_position(engine, plain,
             expected = reference.logits[0, -1]
             assert (logits - expected).abs().max() <= TOLERANCE * expected.abs().max(), f"step {i}"
             assert logits.argmax() == expected.argmax()
-    assert len(calls) == STEPS * len(engine.model.model.language_model.layers)
+    layers = len(engine.model.model.language_model.layers)
+    assert len(calls) == STEPS * layers
+    assert kernels[1] == (["attend"] * STEPS * layers if kernels[0] == "jit" else [])
 
 
-def test_a_sampled_answer_and_the_cache_it_leaves_match_transformers(engine, plain, prompt, monkeypatch):
+def test_a_sampled_answer_and_the_cache_it_leaves_match_transformers(engine, plain, prompt, kernels, monkeypatch):
     """Sampling (so that the tiny model's answer varies), same seed: the same tokens, and close() leaves the cache
-    that transformers' decoding leaves, which conversation memory keeps for the follow-up."""
+    that transformers' decoding leaves, which conversation memory keeps for the follow-up; with the numba kernels
+    too."""
     params = settings.GenParams(greedy=False, temperature=1.0, top_k=0, top_p=1.0, seed=3, max_new_tokens=STEPS,
                                 min_new_tokens=STEPS)
     calls = _spy(monkeypatch)
     ids = list(generate.stream(engine.model, prompt, params, threading.Event()))
     assert len(set(ids)) > 5 and len(calls) == (STEPS - 1) * len(engine.model.model.language_model.layers)
+    assert len(kernels[1]) == (len(calls) if kernels[0] == "jit" else 0)
 
     rng, expected = torch.Generator().manual_seed(params.seed), []
     with torch.inference_mode():

@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from qvl import generate, lean, quant, settings
+from qvl import generate, jit, lean, quant, settings
 from qvl.engine import Engine, Turn
 from qvl.settings import GenParams
 
@@ -100,9 +100,10 @@ def test_int8_decodes_one_row_with_fbgemms_own_call():
 
 
 @pytest.mark.parametrize("rows", [1, quant.DECODE_ROWS])
-def test_w8a14_reads_each_decode_row_to_14_bits_against_the_int8_weights(rows):
+def test_w8a14_reads_each_decode_row_to_14_bits_against_the_int8_weights(rows, kernels):
     """Two parts of 63 levels a side, high and what it rounded off, leave each value within half a level of 63 * 126
-    over its row's peak: the int8 weights' product with the row nearly exactly, where one part (int8) is ~126x off."""
+    over its row's peak: the int8 weights' product with the row nearly exactly, where one part (int8) is ~126x off.
+    Split by torch's ops or by the numba kernel (qvl.jit)."""
     torch.manual_seed(0)
     linear = quant._dynamic_int8(torch.nn.Linear(256, 64, bias=True))
     x = torch.randn(1, rows, 256)
@@ -116,6 +117,23 @@ def test_w8a14_reads_each_decode_row_to_14_bits_against_the_int8_weights(rows):
     two_parts = linear(x)
     assert ((two_parts - want).abs() <= bound).all()
     assert ((one_part - want).abs() > 10 * bound).any()  # which the single part is far from
+    assert kernels[1] == (["split"] if kernels[0] == "jit" else [])
+
+
+@pytest.mark.parametrize("kernels", ["jit"], indirect=True)
+def test_the_numba_split_gives_torchs_split_of_a_row(kernels):
+    """The kernel and torch's ops quantize to the same whole numbers: outputs equal but for the join's rounding."""
+    torch.manual_seed(0)
+    linear = quant._dynamic_int8(torch.nn.Linear(256, 64, bias=False))
+    linear.two_part = True
+    x = torch.randn(3, 256) * torch.tensor([[1.0], [100.0], [0.0]])  # a quiet row, a loud one, and all zeros
+    ready = jit.ready
+    ready.clear()
+    plain = linear(x)
+    ready.set()
+    fast = linear(x)
+    assert kernels[1] == ["split"] and torch.allclose(fast, plain, rtol=1e-6, atol=0) and not fast[2].any()
+    assert torch.equal(*(jit.split(x)[0] if on else quant.Int8Linear._split(x)[0] for on in (True, False)))
 
 
 AVX2_KERNEL = """

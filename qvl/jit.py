@@ -1,0 +1,139 @@
+"""Two parts of the decode step as numba kernels: attention over the KV cache, and w8a14's split of a row.
+
+Both are a few bytes of work per call where torch's ops cost their dispatch. Attention reads the cache through MKL's
+matmuls, whose kernels for one or two rows stream it at ~10 GB/s on these AMD CPUs where a sum over it reads ~28:
+this kernel reads it once per key/value head, its heads over every core, at ~20 GB/s (2B, 28 layers' caches out of
+the CPU caches, Zen 4: 0.19 against 0.40 ms a layer at 465 positions, 0.79 against 1.89 at 2000; scratch
+nbatt2.py). w8a14's split of a decode row into two whole-number rows is ~14 small torch ops a linear, ~45 us, which
+113 linears a step make ~5 ms; the kernel does it in ~15 us.
+
+numba is imported by warm(), in the engine's background work once it serves: its import takes ~2 s and a first
+compile ~4 s more (then numba's cache under cache_dir), which a start should not wait for. Until then the decode
+step runs on torch's ops, which compute the same numbers within float rounding (tests hold the two together).
+"""
+import logging
+import math
+import os
+import threading
+
+import numpy as np
+import torch
+
+log = logging.getLogger("qvl")
+ready = threading.Event()  # set once the kernels are compiled; the decode step uses them from then on
+_warming = threading.Lock()
+# numba's default thread pool aborts the process when two threads launch a parallel kernel at once; one generation
+# runs at a time, but two engines in one process need not.
+_launch = threading.Lock()
+prange = range  # numba.prange once warm() has imported numba: the kernel's loop over heads then runs on every core
+
+
+def _attend_kernel(q, keys, values, n, scale, out):
+    """out[h, g] = softmax(keys[h, :n] @ q[h, g] * scale) @ values[h, :n]; q, out: (kv heads, queries each, head_dim)."""
+    heads, group, dim = q.shape
+    for h in prange(heads):
+        weights = np.empty((group, n), np.float32)
+        for p in range(n):
+            key = keys[h, p]
+            for g in range(group):
+                acc = np.float32(0)
+                for d in range(dim):
+                    acc += key[d] * q[h, g, d]
+                weights[g, p] = acc * scale
+        for g in range(group):
+            peak = weights[g].max()
+            total = np.float32(0)
+            for p in range(n):
+                e = math.exp(weights[g, p] - peak)
+                weights[g, p] = e
+                total += e
+            weights[g] /= total
+        out[h] = 0
+        for p in range(n):
+            value = values[h, p]
+            for g in range(group):
+                w = weights[g, p]
+                for d in range(dim):
+                    out[h, g, d] += w * value[d]
+
+
+def _split_kernel(rows, parts):
+    """Each row over its level (peak / 63): parts[:r] its whole numbers, parts[r:] what they rounded off times 126
+    (left for fbgemm to round, as it rounds its input); returns the levels. quant.Int8Linear._split in torch's ops."""
+    r, n = rows.shape
+    levels = np.empty((r, 1), np.float32)
+    for i in range(r):
+        peak = np.float32(0)
+        for j in range(n):
+            peak = max(peak, abs(rows[i, j]))
+        level = max(peak, np.float32(1.1754944e-38)) / np.float32(63)
+        levels[i, 0] = level
+        for j in range(n):
+            h = rows[i, j] / level
+            whole = np.round(h)
+            parts[i, j] = whole
+            parts[r + i, j] = (h - whole) * np.float32(126)
+    return levels
+
+
+def _join_kernel(y, levels, out):
+    """out = (y[:r] + y[r:] / 126) * levels: the two parts' outputs back as one row each."""
+    r = len(out)
+    for i in range(r):
+        for j in range(out.shape[1]):
+            out[i, j] = (y[i, j] + y[r + i, j] * np.float32(1 / 126)) * levels[i, 0]
+
+
+_attend = _split = _join = _set_threads = None  # the compiled kernels, and numba's thread count for this thread
+_max_threads = 1
+
+
+def warm(cache_dir: str) -> bool:
+    """Import numba and compile the kernels (or load them from numba's cache in cache_dir/numba, unless
+    NUMBA_CACHE_DIR says where), then set ready; False, with one log line, where numba cannot be imported or compile
+    (torch's ops go on serving)."""
+    global prange, _attend, _split, _join, _set_threads, _max_threads
+    with _warming:
+        if _attend is None:
+            try:
+                import numba
+                numba.config.CACHE_DIR = numba.config.CACHE_DIR or os.path.join(cache_dir, "numba")
+                prange, _set_threads = numba.prange, numba.set_num_threads
+                _max_threads = numba.config.NUMBA_NUM_THREADS
+                # reassoc: the dot products and sums vectorize (torch's order is another one); the split stays exact.
+                attend = numba.njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
+                kernels = attend(_attend_kernel), *map(numba.njit(nogil=True, cache=True), (_split_kernel, _join_kernel))
+                q = np.zeros((1, 1, 2), np.float32)
+                kernels[0](q, np.zeros((1, 2, 2), np.float32), np.zeros((1, 2, 2), np.float32), 1, 1.0, q.copy())
+                levels = kernels[1](np.zeros((1, 2), np.float32), np.zeros((2, 2), np.float32))
+                kernels[2](np.zeros((2, 2), np.float32), levels, np.zeros((1, 2), np.float32))
+            except Exception as e:  # no numba wheel for this platform, or a compile failure
+                log.warning("the numba decode kernels are unavailable (%s: %s); decoding with torch's ops",
+                            type(e).__name__, e)
+                return False
+            _attend, _split, _join = kernels
+        ready.set()
+        return True
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, scale: float) -> torch.Tensor:
+    """Attention of q (kv heads x queries each x head_dim) over the first n positions of the float32 buffers keys and
+    values (kv heads x room x head_dim); the output has q's shape."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    with _launch:
+        _set_threads(min(torch.get_num_threads(), _max_threads))  # the engine's setting; numba's is per thread
+        _attend(q.numpy(), keys.numpy(), values.numpy(), n, scale, out.numpy())
+    return out
+
+
+def split(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows (r x in, float32, contiguous) as 2r whole-number rows, and each row's level: quant.Int8Linear._split."""
+    parts = torch.empty(2 * len(rows), rows.shape[1])
+    return parts, torch.from_numpy(_split(rows.numpy(), parts.numpy()))
+
+
+def join(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(len(levels), y.shape[1])
+    _join(y.numpy(), levels.numpy(), out.numpy())
+    return out

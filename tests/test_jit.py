@@ -1,0 +1,58 @@
+"""The numba decode kernels (qvl.jit): compiled in the background once the engine serves, unless --no-jit, and
+never a reason for an engine not to serve. That they compute what torch's ops compute is in test_lean and
+test_quant (the kernels fixture)."""
+import json
+
+import pytest
+
+ENGINE = """
+import json, sys
+from qvl import jit, lean, settings
+from qvl.engine import Engine, Turn
+{prelude}
+calls = []
+attend = jit.attend
+jit.attend = lambda *args: calls.append(1) or attend(*args)
+engine = Engine(settings.parse(["--model", sys.argv[1], "--quant", "w8a14", "--no-cache", "--cache-dir", sys.argv[2],
+                                *sys.argv[3:]], env={{}}))
+assert engine.settled.wait(120)
+# Sampled at a fixed seed: the tiny model answers greedily with one token over and over.
+params = settings.GenParams(greedy=False, temperature=1.0, top_k=0, top_p=1.0, seed=3, max_new_tokens=6, min_new_tokens=6)
+*pieces, stats = engine.chat([Turn("user", "Hello there")], params)
+print(json.dumps({{"numba": "numba" in sys.modules, "ready": jit.ready.is_set(), "calls": len(calls),
+                  "answer": "".join(pieces), "layers": len(engine.model.model.language_model.layers)}}))
+"""
+
+
+def _serve(python_child, tiny_dir, tmp_path, *flags, prelude=""):
+    child = python_child(ENGINE.format(prelude=prelude), tiny_dir, tmp_path / "cache", *flags)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.splitlines()[-1]), child.stderr
+
+
+@pytest.fixture(scope="module")
+def served(python_child, tiny_dir, tmp_path_factory):
+    """The same answer from engines in fresh processes: by default, with --no-jit, and where numba is missing."""
+    out = {}
+    for name, flags, prelude in (("default", (), ""), ("no-jit", ("--no-jit",), ""),
+                                 ("no-numba", (), "sys.modules['numba'] = None  # as where no wheel installs")):
+        out[name] = _serve(python_child, tiny_dir, tmp_path_factory.mktemp(name), *flags, prelude=prelude)
+    return out
+
+
+def test_an_engine_compiles_the_kernels_in_the_background_and_decodes_with_them(served):
+    result, _ = served["default"]
+    assert result["numba"] and result["ready"]
+    assert result["calls"] == 5 * result["layers"]  # every decode step after the first token, every layer
+
+
+def test_no_jit_leaves_numba_unimported_and_decodes_with_torchs_ops_to_the_same_answer(served):
+    result, _ = served["no-jit"]
+    assert not result["numba"] and not result["ready"] and result["calls"] == 0
+    assert result["answer"] == served["default"][0]["answer"] and len(set(result["answer"])) > 2
+
+
+def test_without_numba_the_engine_says_so_once_and_serves_with_torchs_ops(served):
+    result, log = served["no-numba"]
+    assert not result["ready"] and result["calls"] == 0 and result["answer"] == served["default"][0]["answer"]
+    assert log.count("the numba decode kernels are unavailable (ModuleNotFoundError") == 1
