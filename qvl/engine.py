@@ -187,15 +187,23 @@ class Engine:
         """In the background, at a low priority and never while a request runs, once the model is in: keep the model
         that a first start converted (modelcache.load's keep, a tensor at a time, while its weights are still in pieces,
         which unpack faster too), and repack the int8 linears, which every start packs in pieces (quick to pack, a few
-        calls more per step), into fewer, a run of pieces at a time; then set settled.
+        calls more per step), into fewer, a run of pieces at a time; then compile the decode step's numba kernels
+        (jit.warm) and set settled.
 
-        First of all, the decode step's numba kernels are compiled (jit.warm), before this thread lowers its priority:
-        numba's thread pool starts with them, and its threads keep the priority of the thread that starts them."""
-        if self.settings.jit and self._idle():
-            jit.warm(self.settings.cache_dir)
-        cpu.background()
-        if keep is not None:
-            keep(self._idle)
+        The kernels come last, after the start's other work (on the app's, its page and warm-up), and in this thread,
+        which keeps its priority: numba's thread pool starts with them, and its threads keep the priority of the
+        thread that starts them."""
+        def repack():
+            cpu.background()
+            if keep is not None:
+                keep(self._idle)
+            # Daemon threads, not a pool, whose workers would hold up the process's exit until every linear is done.
+            workers = [threading.Thread(target=settle, name="settle", daemon=True) for _ in range(self.threads)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+
         linears = iter([m for m in self.model.modules() if isinstance(m, quant.Int8Linear)])
 
         def settle():  # as many of these as torch has threads: fbgemm packs in one thread with the GIL released
@@ -207,12 +215,11 @@ class Engine:
             except Exception:  # the pieces answer the same, only a little slower
                 log.exception("repacking the int8 linears failed; they stay in pieces")
 
-        # Daemon threads, not a pool, whose workers would hold up the process's exit until every linear is done.
-        workers = [threading.Thread(target=settle, name="settle", daemon=True) for _ in range(self.threads)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
+        low = threading.Thread(target=repack, name="settle", daemon=True)
+        low.start()
+        low.join()
+        if self.settings.jit and self._idle():
+            jit.warm(self.settings.cache_dir)
         self.settled.set()
 
     def close(self) -> bool:

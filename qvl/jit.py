@@ -1,20 +1,22 @@
-"""Two parts of the decode step as numba kernels: attention over the KV cache, and w8a14's split of a row.
+"""The decode step's attention over the KV cache, and w8a14's split of a decode row, as numba kernels.
 
-Both are a few bytes of work per call where torch's ops cost their dispatch. Attention reads the cache through MKL's
-matmuls, whose kernels for one or two rows stream it at ~10 GB/s on these AMD CPUs where a sum over it reads ~28:
-this kernel reads it once per key/value head, its heads over every core, at ~20 GB/s (2B, 28 layers' caches out of
-the CPU caches, Zen 4: 0.19 against 0.40 ms a layer at 465 positions, 0.79 against 1.89 at 2000; scratch
-nbatt2.py). w8a14's split of a decode row into two whole-number rows is ~14 small torch ops a linear, ~45 us, which
-113 linears a step make ~5 ms; the kernel does it in ~15 us.
+In torch, attention goes through MKL's matmuls, whose kernels for one or two rows stream the cache at ~10 GB/s on
+these AMD CPUs where a sum over it reads ~28; this kernel reads each key/value head's cache once, the heads spread
+over the cores, at ~20 GB/s (2B, 28 layers' caches out of the CPU caches, Zen 4: 0.19 against 0.40 ms a layer at
+465 positions, 0.79 against 1.89 at 2000; scratch nbatt2.py). w8a14's split is ~14 small torch ops a linear, ~45 us
+of dispatch, which 113 linears make ~5 ms a step; the kernel takes ~15 us. In the 2B's w8a14 step, the two ways
+alternating in one process: 113.4 against 105.3 ms at 465 positions, 166.5 against 129.4 at 2000 (scratch
+abjit.py); a standard answer, 64 tokens: 9.22 against 8.20 tok/s, medians of five pairs (scratch abchat.py).
 
-numba is imported by warm(), in the engine's background work once it serves: its import takes ~2 s and a first
-compile ~4 s more (then numba's cache under cache_dir), which a start should not wait for. Until then the decode
+numba is imported by warm(), at the end of the engine's background work once it serves: its import takes ~2 s and a
+first compile ~5 s more (later starts load numba's cache), which a start should not wait for. Until then the decode
 step runs on torch's ops, which compute the same numbers within float rounding (tests hold the two together).
 """
 import logging
 import math
 import os
 import threading
+import time
 
 import numpy as np
 import torch
@@ -95,6 +97,7 @@ def warm(cache_dir: str) -> bool:
     global prange, _attend, _split, _join, _set_threads, _max_threads
     with _warming:
         if _attend is None:
+            start = time.perf_counter()
             try:
                 import numba
                 numba.config.CACHE_DIR = numba.config.CACHE_DIR or os.path.join(cache_dir, "numba")
@@ -112,6 +115,8 @@ def warm(cache_dir: str) -> bool:
                             type(e).__name__, e)
                 return False
             _attend, _split, _join = kernels
+            log.info("the numba decode kernels are ready (%.1f s; cached in %s)", time.perf_counter() - start,
+                     numba.config.CACHE_DIR)
         ready.set()
         return True
 
