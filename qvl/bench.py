@@ -323,32 +323,50 @@ def scenarios(engine, names, params) -> list[dict]:
 def step_split(model, prompt_tokens: int, steps: int = 12) -> dict:
     """The lean decode step's median time after a text prompt of prompt_tokens, and its overhead: the same step with
     every linear of the text decoder and the head answering a ready-made output, so what is left is everything else
-    (norms, rope, attention over the cache, residuals, dispatch). The two alternate, so noise hits both alike."""
+    (norms, rope, attention over the cache, residuals, dispatch). Where qvl.jit's kernels are on, also the step on
+    torch's ops alone (step_torch_ms). The ways alternate, so noise hits them alike."""
     text = model.model.language_model
     linears = [m for layer in text.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
+    kernels = jit.ready.is_set()
     with torch.inference_mode():
         dtype = text.embed_tokens(torch.tensor([[0]])).dtype  # the linears' output: bf16 in a bf16 model
         outputs = [torch.randn(1, 1, m.out_features, dtype=dtype) * 0.1 for m in linears]
         prefill = generate._forward(model, input_ids=torch.randint(0, 256, (1, prompt_tokens)))
-        full, stubbed = (lean.Decoder(model, prefill.cache, steps + 2) for _ in range(2))
-        full.step(7)
-        times = {"full": [], "stubbed": []}
-        for _ in range(steps):
-            start = time.perf_counter()
-            full.step(7)
-            times["full"].append(time.perf_counter() - start)
-            for m, out in zip(linears, outputs):
-                m.forward = lambda x, out=out: out
+        decoders = {"full": lean.Decoder(model, prefill.cache, steps + 2),
+                    "stubbed": lean.Decoder(model, prefill.cache, steps + 2)}
+        if kernels:
+            decoders["torch"] = lean.Decoder(model, prefill.cache, steps + 2)
+        times = {way: [] for way in decoders}
+
+        def step(way):
+            if way == "stubbed":
+                for m, out in zip(linears, outputs):
+                    m.forward = lambda x, out=out: out
+            if way == "torch":
+                jit.ready.clear()
             try:
                 start = time.perf_counter()
-                stubbed.step(7)
-                times["stubbed"].append(time.perf_counter() - start)
+                decoders[way].step(7)
+                return time.perf_counter() - start
             finally:
-                for m in linears:
-                    del m.forward
-    return {"step_ms": statistics.median(times["full"]) * 1e3,
-            "step_overhead_ms": statistics.median(times["stubbed"]) * 1e3}
+                if way == "stubbed":
+                    for m in linears:
+                        del m.forward
+                if way == "torch":
+                    jit.ready.set()
+
+        for way in decoders:  # an untimed first step each: first-call costs are not the step's
+            if way != "stubbed":
+                step(way)
+        for _ in range(steps):
+            for way in decoders:
+                times[way].append(step(way))
+    split = {"step_ms": statistics.median(times["full"]) * 1e3,
+             "step_overhead_ms": statistics.median(times["stubbed"]) * 1e3}
+    if kernels:
+        split["step_torch_ms"] = statistics.median(times["torch"]) * 1e3
+    return split
 
 
 def kernels(out_features: int = 6144, in_features: int = 2048, copies: int = 24, repeats: int = 5) -> list[dict]:
@@ -560,7 +578,7 @@ def run_row(name: str, model: str, runs: int, reference: Path, memory: str) -> d
 
 
 COLUMNS = ["name", "ready_s", "settled_s", "load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "bound_tok_s",
-           "of_bound", "step_ms", "step_overhead_ms", "sqnr_db", "kl", "top1_agreement"]
+           "of_bound", "step_ms", "step_torch_ms", "step_overhead_ms", "sqnr_db", "kl", "top1_agreement"]
 
 
 def table(rows: list[dict]) -> str:

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from qvl import bench, quant, settings
+from qvl import bench, jit, quant, settings
 
 
 def test_sqnr_is_infinite_for_identical_logits_and_low_for_noise():
@@ -39,6 +39,8 @@ def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path
     assert data["machine"]["bandwidth_gb_s"] > 0
     assert [r["name"] for r in data["rows"]] == ["fp32", "auto", "auto-warm", "auto+nojit"]
     assert [r["jit"] for r in data["rows"]] == [True, True, True, False]  # QVL_JIT=0 reaches the row's engine
+    # Where the kernels ran, the step is timed on torch's ops alone beside them.
+    assert ["step_torch_ms" in r for r in data["rows"]] == [True, True, True, False]
     for row in data["rows"]:
         assert {"ready_s", "settled_s", "load_s", "ttft_s", "decode_tok_s", "e2e_s", "peak_rss_gb", "sqnr_db", "kl",
                 "top1_agreement", "step_ms", "step_overhead_ms"} <= set(row)
@@ -62,19 +64,27 @@ def test_memory_scenarios_reuse_and_time_the_same_request_cold(engine):
     assert results[-1]["reused_tokens"] == prompt - 1  # Regenerate: all but the last prompt token
 
 
-def test_step_overhead_is_the_step_without_its_matmuls_and_leaves_the_model_as_it_was(engine, monkeypatch):
+def test_step_overhead_is_the_step_without_its_matmuls_and_leaves_the_model_as_it_was(engine, kernels, monkeypatch):
+    choice, kernel_calls = kernels
     turn = bench.Turn("user", bench.QUESTION, (bench.photo(),))
     params = settings.GenParams(greedy=True, max_new_tokens=8, min_new_tokens=8)
     before = list(engine.chat([turn], params))[:-1]
     calls = []
     linear = torch.nn.Linear.forward
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: calls.append(1) or linear(self, x))
+    kernel_calls.clear()
     split = bench.step_split(engine.model, 20, steps=3)
     layers = len(engine.model.model.language_model.layers)
-    # The prefill, the first (untimed) step and the 3 timed full steps call every text linear and the head once;
-    # the 3 stubbed steps call none.
-    assert len(calls) == (1 + 1 + 3) * (4 * layers + 1)
+    # The prefill, then for each full way (the kernels', and torch's ops alone where the kernels are on) a first
+    # (untimed) step and the 3 timed ones, call every text linear and the head once; the 3 stubbed steps call none.
+    ways = 2 if choice == "jit" else 1
+    assert len(calls) == (1 + ways * (1 + 3)) * (4 * layers + 1)
     assert split["step_ms"] > 0 and split["step_overhead_ms"] > 0
+    if choice == "jit":  # the kernels ran in the full and the stubbed steps, never in torch's
+        assert kernel_calls.count("attend") == (1 + 3 + 3) * layers and split["step_torch_ms"] > 0
+        assert jit.ready.is_set()
+    else:
+        assert kernel_calls == [] and "step_torch_ms" not in split
     assert not any("forward" in vars(m) for m in engine.model.modules())
     engine.forget()
     assert list(engine.chat([turn], params))[:-1] == before
