@@ -24,6 +24,8 @@ from qvl.settings import GenParams, Settings
 
 log = logging.getLogger("qvl")
 TINY_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "tiny-v1"
+# Logged once a start's background work (keeping, repacking, compiling) is done: from then on an idle server idles.
+SETTLED = "the start's background work is done"
 
 
 def _local_copy(source: str) -> str:
@@ -221,6 +223,7 @@ class Engine:
         if self.settings.jit and self._idle():
             jit.warm(self.settings.cache_dir)
         self.settled.set()
+        log.info(SETTLED)
 
     def close(self) -> bool:
         """At exit: stop loading, settling and warming up, and wait for the torch call in flight in their threads (a

@@ -36,6 +36,7 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from qvl import settings, texts, tiny
+from qvl.engine import SETTLED
 
 ROOT = Path(__file__).resolve().parent.parent
 BUSY = texts.TEXT["en"]["busy"].split("(")[0].strip()  # "The server is busy"
@@ -58,6 +59,15 @@ class Server:
     port: int
     log: Path
     cache_dir: Path
+
+    def wait_settled(self, timeout: float = 240):
+        """Return once the app says its start's background work is done: until then it compiles numba's kernels
+        (18 s on a first start, 2 Zen 3 cores) or repacks, which is start-up, not what an idle server costs."""
+        deadline = time.monotonic() + timeout
+        while SETTLED not in self.log.read_text(errors="replace"):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"app.py did not settle within {timeout:.0f} s:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.5)
 
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM, as docker stop or a Space restart sends it; the exit code (killed after timeout: -9)."""
@@ -471,6 +481,8 @@ def main(argv=None) -> int:
             url, pid, cache_dir = server.url, server.proc.pid, server.cache_dir
             print(f"launched app.py (pid {pid}) at {url} {engine}, queue size {args.queue_size}, "
                   f"{args.max_sessions} sessions", flush=True)
+        if server is not None:  # with --backend, the app holding the model is the one with background work
+            (backend or server).wait_settled()
         idle = idle_cpu(url, auth, pid, workdir, args.idle) if args.idle and pid else None
         if idle is not None:
             print("idle done", flush=True)
