@@ -1,4 +1,5 @@
-"""The decode step's attention over the KV cache, and w8a14's split of a decode row, as numba kernels.
+"""The decode step's attention over the KV cache, its norms and rotary embedding, and w8a14's split of a decode row,
+as numba kernels.
 
 In torch, attention goes through MKL's matmuls, whose kernels for one or two rows stream the cache at ~10 GB/s on
 these AMD CPUs where a sum over it reads ~28; this kernel reads each key/value head's cache once, the heads spread
@@ -7,6 +8,9 @@ over the cores, at ~20 GB/s (2B, 28 layers' caches out of the CPU caches, Zen 4:
 of dispatch, which 113 linears make ~5 ms a step; the kernel takes ~15 us. In the 2B's w8a14 step, the two ways
 alternating in one process: 113.4 against 105.3 ms at 465 positions, 166.5 against 129.4 at 2000 (scratch
 abjit.py); a standard answer, 64 tokens: 9.22 against 8.20 tok/s, medians of five pairs (scratch abchat.py).
+torch's RMSNorm is eight small ops and a layer's q/k norm and rotation another dozen; as two kernels they took the
+int8 2B's step overhead (bench.step_split, 404 positions) from 13.4/16.9/14.1 to 11.2/13.7/11.4 ms in three
+alternating process pairs (Zen 3, AVX2; torch's ops alone: 24.0/22.1/23.2 ms).
 
 numba is imported by warm(), at the end of the engine's background work once it serves: its import takes ~2 s and a
 first compile ~5 s more (later starts load numba's cache), which a start should not wait for. Until then the decode
@@ -86,7 +90,43 @@ def _join_kernel(y, levels, out):
             out[i, j] = (y[i, j] + y[r + i, j] * np.float32(1 / 126)) * levels[i, 0]
 
 
-_attend = _split = _join = _set_threads = None  # the compiled kernels, and numba's thread count for this thread
+def _norm_kernel(x, weight, eps, out):
+    """RMSNorm of each row of x: out = x / sqrt(mean(x^2) + eps) * weight."""
+    rows, n = x.shape
+    for r in range(rows):
+        total = np.float32(0)
+        for i in range(n):
+            total += x[r, i] * x[r, i]
+        inv = np.float32(1 / math.sqrt(total / n + eps))
+        for i in range(n):
+            out[r, i] = x[r, i] * inv * weight[i]
+
+
+def _rope_kernel(qkv, weight, cos, sin, eps, q_heads, kv_heads, keys, values, n, q):
+    """A decode row's q/k/v heads (qkv: heads x dim) into place: each q and k head RMS-normed with its row of weight
+    and rotated (y * cos + roll(y, dim / 2) * sin, sin's first half negated), q's into q, k's into keys[:, n], and
+    v's into values[:, n]."""
+    dim = qkv.shape[1]
+    half = dim // 2
+    y = np.empty(dim, np.float32)
+    for h in range(q_heads + kv_heads):
+        total = np.float32(0)
+        for i in range(dim):
+            total += qkv[h, i] * qkv[h, i]
+        inv = np.float32(1 / math.sqrt(total / dim + eps))
+        for i in range(dim):
+            y[i] = qkv[h, i] * inv * weight[h, i]
+        for i in range(dim):
+            rotated = y[i] * cos[i] + y[(i + half) % dim] * sin[i]
+            if h < q_heads:
+                q[h, i] = rotated
+            else:
+                keys[h - q_heads, n, i] = rotated
+    for h in range(kv_heads):
+        values[h, n] = qkv[q_heads + kv_heads + h]
+
+
+_attend = _split = _join = _norm = _rope = _set_threads = None  # the compiled kernels, and numba's thread count for this thread
 _max_threads = 1
 
 
@@ -94,7 +134,7 @@ def warm(cache_dir: str) -> bool:
     """Import numba and compile the kernels (or load them from numba's cache in cache_dir/numba, unless
     NUMBA_CACHE_DIR says where), then set ready; False, with one log line, where numba cannot be imported or compile
     (torch's ops go on serving)."""
-    global prange, _attend, _split, _join, _set_threads, _max_threads
+    global prange, _attend, _split, _join, _norm, _rope, _set_threads, _max_threads
     with _warming:
         if _attend is None:
             start = time.perf_counter()
@@ -105,16 +145,19 @@ def warm(cache_dir: str) -> bool:
                 _max_threads = numba.config.NUMBA_NUM_THREADS
                 # reassoc: the dot products and sums vectorize (torch's order is another one); the split stays exact.
                 attend = numba.njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
-                kernels = attend(_attend_kernel), *map(numba.njit(nogil=True, cache=True), (_split_kernel, _join_kernel))
-                q = np.zeros((1, 1, 2), np.float32)
-                kernels[0](q, np.zeros((1, 2, 2), np.float32), np.zeros((1, 2, 2), np.float32), 1, 1.0, q.copy())
-                levels = kernels[1](np.zeros((1, 2), np.float32), np.zeros((2, 2), np.float32))
-                kernels[2](np.zeros((2, 2), np.float32), levels, np.zeros((1, 2), np.float32))
+                kernels = attend(_attend_kernel), *map(numba.njit(nogil=True, cache=True),
+                                                       (_split_kernel, _join_kernel, _norm_kernel, _rope_kernel))
+                q, rows, cache = np.zeros((1, 1, 2), np.float32), np.ones((3, 2), np.float32), np.zeros((1, 2, 2), np.float32)
+                kernels[0](q, cache, cache, 1, 1.0, q.copy())
+                levels = kernels[1](rows[:1], np.zeros((2, 2), np.float32))
+                kernels[2](rows[:2], levels, np.zeros((1, 2), np.float32))
+                kernels[3](rows, rows[0], 1e-6, rows.copy())
+                kernels[4](rows, rows, rows[0], rows[0], 1e-6, 1, 1, cache, cache.copy(), 1, q[0])
             except Exception as e:  # no numba wheel for this platform, or a compile failure
                 log.warning("the numba decode kernels are unavailable (%s: %s); decoding with torch's ops",
                             type(e).__name__, e)
                 return False
-            _attend, _split, _join = kernels
+            _attend, _split, _join, _norm, _rope = kernels
             log.info("the numba decode kernels are ready (%.1f s; cached in %s)", time.perf_counter() - start,
                      numba.config.CACHE_DIR)
         ready.set()
@@ -142,3 +185,23 @@ def join(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     out = torch.empty(len(levels), y.shape[1])
     _join(y.numpy(), levels.numpy(), out.numpy())
     return out
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm(x, weight.shape, weight, eps) for a float32 x and weight."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _norm(x.view(-1, x.shape[-1]).numpy(), weight.detach().numpy(), eps, out.view(-1, x.shape[-1]).numpy())
+    return out
+
+
+def rope(qkv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+         heads: list[int], keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+    """_rope_kernel: a decode row's q/k/v (q, k and v heads of heads[i] each, x head_dim, in one row) normed, rotated
+    and its k and v written at position n of keys and values (kv heads x room x head_dim); returns q (q heads x
+    head_dim)."""
+    dim = keys.shape[-1]
+    q = torch.empty(heads[0], dim)
+    _rope(qkv.contiguous().view(-1, dim).numpy(), weight.detach().view(-1, dim).numpy(), cos.reshape(-1).numpy(),
+          sin.reshape(-1).numpy(), eps, heads[0], heads[1], keys.numpy(), values.numpy(), n, q.numpy())
+    return q

@@ -74,6 +74,11 @@ class Attention(nn.Module):
         for each key head; sin: the step's sines with the first half negated, so that rotate_half's negate-and-concat
         is one roll): each elementwise op costs ~5 us whatever its size, and a layer has dozens.
         """
+        if jit.ready.is_set() and keys.dtype == torch.float32:  # numpy, and so numba, has no bfloat16
+            q = jit.rope(self.qkv_proj(x), qk_weight, cos, sin, self.q_norm.variance_epsilon, self.heads, keys[0],
+                         values[0], n)
+            out = jit.attend(q.view(self.heads[1], -1, self.head_dim), keys[0], values[0], n + 1, self.scaling)
+            return self.o_proj(out.view(1, 1, -1))
         qkv = self.qkv_proj(x).view(1, -1, 1, self.head_dim)
         qk, v = qkv.split([self.heads[0] + self.heads[1], self.heads[2]], 1)
         qk = F.rms_norm(qk, (self.head_dim,), None, self.q_norm.variance_epsilon) * qk_weight
@@ -81,14 +86,11 @@ class Attention(nn.Module):
         keys[:, :, n:n + 1] = k
         values[:, :, n:n + 1] = v
         queries = q.view(self.heads[1], -1, self.head_dim)  # key/value heads x the query heads that share each
-        if jit.ready.is_set() and keys.dtype == torch.float32:  # numpy, and so numba, has no bfloat16
-            out = jit.attend(queries, keys[0], values[0], n + 1, self.scaling)
-        else:
-            # The cache as the left operand: one pass over it, (positions x head_dim) @ (head_dim x queries). SDPA's
-            # kernel took 0.55 ms a layer of the 2B at 465 positions and 2.13 at 2000 where this takes 0.42 and 1.67
-            # (cache out of CPU caches, Zen 4, scratch att2.py).
-            weights = torch.matmul(keys[0, :, :n + 1], queries.transpose(1, 2)).mul_(self.scaling).softmax(1)
-            out = torch.matmul(weights.transpose(1, 2), values[0, :, :n + 1])
+        # The cache as the left operand: one pass over it, (positions x head_dim) @ (head_dim x queries). SDPA's
+        # kernel took 0.55 ms a layer of the 2B at 465 positions and 2.13 at 2000 where this takes 0.42 and 1.67
+        # (cache out of CPU caches, Zen 4, scratch att2.py).
+        weights = torch.matmul(keys[0, :, :n + 1], queries.transpose(1, 2)).mul_(self.scaling).softmax(1)
+        out = torch.matmul(weights.transpose(1, 2), values[0, :, :n + 1])
         return self.o_proj(out.view(1, 1, -1))
 
     def qk_weight(self) -> torch.Tensor:
@@ -96,7 +98,10 @@ class Attention(nn.Module):
 
 
 def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Qwen's RMSNorm as one fused op: its module's five small ops cost ~10% of a quantized 2B step."""
+    """Qwen's RMSNorm as one fused op: its module's five small ops cost ~10% of a quantized 2B step (and torch's
+    fused op is itself eight: qvl.jit's kernel, once warm, where the activations are float32)."""
+    if jit.ready.is_set() and x.dtype == norm.weight.dtype == torch.float32:
+        return jit.norm(x, norm.weight, norm.variance_epsilon)
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
