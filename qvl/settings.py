@@ -116,8 +116,9 @@ _HELP = {
     "model_cache": "keep the quantized model on disk so later starts load it instead of converting the checkpoint "
                    "(int8, int4, w8a16; about the quantized model's size) (--no-model-cache turns it off)",
     "model_cache_dir": "folder of the kept quantized models",
-    "jit": "compile the decode step's attention and w8a14's row split with numba once serving (~2 s in the "
-           "background, cached in the numba folder of --cache-dir), where torch's ops are slower "
+    "jit": "compile the decode step's attention, norms, rotary embedding and w8a14's row split with numba once "
+           "serving (in the background; 7-18 s on a first start, ~1 s from the numba folder of --cache-dir later), "
+           "where torch's ops are slower "
            "(--no-jit keeps torch's ops)",
     "kv_memory": "memory for the KV caches of recent conversations, so a follow-up, Regenerate or a new question "
                  "about a seen image prefills only what is new, e.g. 1GB; auto is an eighth of the RAM, at most 4GB; "
