@@ -126,7 +126,8 @@ def _rope_kernel(qkv, weight, cos, sin, eps, q_heads, kv_heads, keys, values, n,
         values[h, n] = qkv[q_heads + kv_heads + h]
 
 
-_attend = _split = _join = _norm = _rope = _set_threads = None  # the compiled kernels, and numba's thread count for this thread
+# The compiled kernels, and numba's thread count for this thread.
+_attend = _split = _join = _norm = _rope = _set_threads = None
 _max_threads = 1
 
 
@@ -147,7 +148,8 @@ def warm(cache_dir: str) -> bool:
                 attend = numba.njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
                 kernels = attend(_attend_kernel), *map(numba.njit(nogil=True, cache=True),
                                                        (_split_kernel, _join_kernel, _norm_kernel, _rope_kernel))
-                q, rows, cache = np.zeros((1, 1, 2), np.float32), np.ones((3, 2), np.float32), np.zeros((1, 2, 2), np.float32)
+                q, rows = np.zeros((1, 1, 2), np.float32), np.ones((3, 2), np.float32)
+                cache = np.zeros((1, 2, 2), np.float32)
                 kernels[0](q, cache, cache, 1, 1.0, q.copy())
                 levels = kernels[1](rows[:1], np.zeros((2, 2), np.float32))
                 kernels[2](rows[:2], levels, np.zeros((1, 2), np.float32))

@@ -69,7 +69,8 @@ def test_lean_steps_give_transformers_logits_position_by_position(engine, plain,
     layers = len(engine.model.model.language_model.layers)
     assert len(calls) == STEPS * layers
     if kernels[0] == "jit":  # each layer's q/k/v into place and its attention, every norm (two a layer, the final)
-        assert Counter(kernels[1]) == {"rope": STEPS * layers, "attend": STEPS * layers, "norm": STEPS * (2 * layers + 1)}
+        assert Counter(kernels[1]) == {"rope": STEPS * layers, "attend": STEPS * layers,
+                                       "norm": STEPS * (2 * layers + 1)}
     else:
         assert kernels[1] == []
 
