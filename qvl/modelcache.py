@@ -174,18 +174,15 @@ def _sweep(file: Path):
 def _tensors(model: nn.Module, data: bool = True):
     """(name, chunks) for everything the converted model holds, in a form that load() can rebuild it from: the tensor
     stored under name is chunks, a tensor or an iterable of them, concatenated along the first dimension. Without
-    data, the int8 linears' tensors are stand-ins of their dtype and shape on the meta device (fbgemm unpacking the
-    weights is most of a write's time)."""
+    data, the int8 linears' values are a stand-in of their dtype and shape on the meta device (fbgemm unpacking them
+    is most of a write's time)."""
     for prefix, module in model.named_modules():
         if isinstance(module, quant.Int8Linear):
+            # The stored form of a per-channel torch.qint8 weight: int8 values, float64 scales, int64 zero points (0).
             rows, shape = module.out_features, (module.out_features, module.in_features)
-            if data:
-                scales, zero_points = [], []
-                parts = _rows(module.pieces(), scales, zero_points), scales, zero_points
-            else:  # the dtypes torch gives a per-channel qint8 tensor's parts
-                parts = [torch.empty(size, dtype=dtype, device="meta")
-                         for size, dtype in [(shape, torch.int8), (rows, torch.float64), (rows, torch.int64)]]
-            yield from zip([f"{prefix}.qweight", f"{prefix}.scale", f"{prefix}.zero_point"], parts)
+            values = module.pieces() if data else torch.empty(shape, dtype=torch.int8, device="meta")
+            yield from [(f"{prefix}.qweight", values), (f"{prefix}.scale", module.scale.double()),
+                        (f"{prefix}.zero_point", torch.zeros(rows, dtype=torch.int64))]
             if module.apart is not None:
                 yield from [(f"{prefix}.apart", module.apart), (f"{prefix}.columns", module.columns)]
             if module.bias is not None:
@@ -194,15 +191,6 @@ def _tensors(model: nn.Module, data: bool = True):
         for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
             if tensor is not None:
                 yield f"{prefix}.{name}", tensor.detach()
-
-
-def _rows(pieces, scales: list, zero_points: list):
-    """Each piece's int8 values, one piece unpacked at a time, gathering its scales and zero points meanwhile (they
-    are written after the values): the 2B's head unpacked whole, then joined, held 0.9 GB for a moment."""
-    for piece in pieces:
-        scales.append(piece.q_per_channel_scales())
-        zero_points.append(piece.q_per_channel_zero_points())
-        yield piece.int_repr()
 
 
 def _write(file: Path, model: nn.Module, want: dict, go_on=lambda: True) -> bool:
@@ -426,17 +414,18 @@ def _linear(reader: Reader, prefix: str, out_features: int) -> nn.Module:
 
 
 def _fbgemm(tensors: dict, prefix: str, workers: int, drop) -> nn.Module:
-    weight = quant.per_channel_qint8(  # over the mapping: fbgemm packs straight from the page cache
-        tensors.pop(f"{prefix}.qweight"), tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.zero_point"))
-    bias = tensors.pop(f"{prefix}.bias", None)
+    values = tensors.pop(f"{prefix}.qweight")  # over the mapping: fbgemm packs straight from the page cache
+    scale, bias = tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.bias", None)
+    if tensors.pop(f"{prefix}.zero_point").any():  # no conversion of qvl's makes them: not a file of its own
+        raise ValueError(f"{prefix} has asymmetric int8 weights")
     # In pieces, which fbgemm packs faster; the engine settles them into whole linears once it is serving.
-    rows = max(1, quant.PIECE // weight.shape[1])
-    if weight.shape[0] <= rows * MANY_PIECES:  # the modules packed beside it keep the other cores busy
-        linear = quant.Int8Linear(weight, bias, rows=rows)
+    rows = max(1, quant.PIECE // values.shape[1])
+    if values.shape[0] <= rows * MANY_PIECES:  # the modules packed beside it keep the other cores busy
+        linear = quant.Int8Linear(values, scale, bias, rows=rows)
     else:  # the 2B's head, 75 pieces and last in the file, was the last ~3 s of a start on one core, the other idle
         with ThreadPoolExecutor(workers, thread_name_prefix="pack", initializer=cpu.background) as pool:
-            linear = quant.Int8Linear(weight, bias, rows=rows, pack=pool.map)
-    del weight
+            linear = quant.Int8Linear(values, scale, bias, rows=rows, pack=pool.map)
+    del values
     drop(f"{prefix}.qweight")  # packed: its stored pages need not stay beside the packed layout
     if f"{prefix}.apart" in tensors:
         linear.set_apart(tensors.pop(f"{prefix}.apart"), tensors.pop(f"{prefix}.columns"))

@@ -140,12 +140,10 @@ def _dynamic_int8(linear: nn.Linear) -> nn.Module:
 
     Quantized straight from bf16 in slices of rows: from_float() would first make an fp32 copy, 1.2 GB for the head.
     """
-    w = linear.weight.detach()
-    q, scale = _int8_rows(w)
-    qweight = per_channel_qint8(q, scale.double(), torch.zeros(w.shape[0], dtype=torch.long))
+    q, scale = _int8_rows(linear.weight.detach())
     # In pieces, which fbgemm packs 2-2.5x faster per value; the engine settles them once it serves.
-    return Int8Linear(qweight, None if linear.bias is None else linear.bias.detach().float(),
-                      rows=max(1, PIECE // w.shape[1]))
+    return Int8Linear(q, scale, None if linear.bias is None else linear.bias.detach().float(),
+                      rows=max(1, PIECE // q.shape[1]))
 
 
 # torch 2.13 deprecates quantized dtypes (pytorch#184982), which fbgemm's linear still takes, and says so at every
@@ -154,13 +152,12 @@ def _dynamic_int8(linear: nn.Linear) -> nn.Module:
 warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated")
 
 
-def per_channel_qint8(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-    """The torch.qint8 weight (int8 values, per-row float64 scales and int64 zero points) that fbgemm's linear takes,
-    over q's own memory: torch's _make_per_channel_quantized_tensor copies the values (0.4-0.9 ns a value on the Zen
-    4, 1-2 s of a start of the 2B, whose fbgemm linears hold 2.1 B of them), and fbgemm copies them again to pack."""
-    weight = torch._empty_per_channel_affine_quantized(q.shape, scales=scale, zero_points=zero_point, axis=0,
-                                                        dtype=torch.qint8)
-    return weight.set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())
+def at_scale_one(values: torch.Tensor) -> torch.Tensor:
+    """int8 values as the torch.qint8 tensor (scale 1, zero point 0) that fbgemm packs, over their own memory: torch's
+    _make_per_tensor_quantized_tensor copies them (0.4-0.9 ns a value on the Zen 4, 1-2 s of a start of the 2B, whose
+    fbgemm linears hold 2.1 B of them), and fbgemm copies them again to pack."""
+    weight = torch._empty_affine_quantized(values.shape, scale=1.0, zero_point=0, dtype=torch.qint8)
+    return weight.set_(values.untyped_storage(), values.storage_offset(), values.shape, values.stride())
 
 
 # fbgemm packs a weight of up to ~4M values 2-2.5x faster per value than a larger one (its column-by-column copy
@@ -190,9 +187,9 @@ class _Apart(nn.Module):
 
 
 class Int8Linear(_Apart):
-    """fbgemm's dynamic int8 linear with a scale per row: its per-channel int8 weight is packed into fbgemm's layout
-    (whole, or in pieces of `rows` rows), and fbgemm quantizes each call's input with one scale (7 bits: fbgemm's
-    AVX2 kernel needs the headroom).
+    """fbgemm's dynamic int8 linear with a scale per row: its int8 weight is packed into fbgemm's layout (whole, or in
+    pieces of `rows` rows) and each row's scale multiplies the output, and fbgemm quantizes each call's input with one
+    scale (7 bits: fbgemm's AVX2 kernel needs the headroom).
 
     One scale for a whole prompt is set by its loudest token, which leaves the quiet ones few levels: each row is
     brought to the same peak before the call and its output scaled back, which gives every token a scale of its own
@@ -209,24 +206,28 @@ class Int8Linear(_Apart):
     `w8a14` (two_part) feeds each decode row as two rows, whose 7 bits each make 14 (_two_part).
     """
 
-    def __init__(self, qweight: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None, pack=map):
-        """pack: map, or a pool's map to pack the pieces side by side."""
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None,
+                 pack=map):
+        """values: the int8 weight (out x in), scale: each row's. pack: map, or a pool's map to pack the pieces side by
+        side."""
         super().__init__()
-        self.out_features, self.in_features = qweight.shape
+        self.out_features, self.in_features = values.shape
         self.rows = min(rows or self.out_features, self.out_features)  # in each loaded piece (the last may have fewer)
-        # Packed without the bias, which is added after the rows are scaled back.
-        self.parts = list(pack(_pack, [qweight[i:i + self.rows] for i in range(0, self.out_features, self.rows)]))
+        # Packed at scale 1, without the bias: the rows' scales and the bias are applied to fbgemm's output.
+        self.parts = list(pack(_pack, [values[i:i + self.rows] for i in range(0, self.out_features, self.rows)]))
+        self.register_buffer("scale", scale.float().contiguous())  # float32: what fbgemm's own per-row scales are
         self.merged = 0  # leading parts that settle() has made, or found, final
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.two_part = False  # w8a14 (in_two_parts): each input row fed as two, for 14 bits instead of 7
 
     def weight(self) -> torch.Tensor:
-        """The per-channel torch.qint8 weight, unpacked (a copy)."""
-        return _unpack(self.parts)
+        """The per-channel torch.qint8 weight (a copy)."""
+        return torch._make_per_channel_quantized_tensor(torch.cat(list(self.pieces())), self.scale.double(),
+                                                        torch.zeros(self.out_features, dtype=torch.long), 0)
 
     def pieces(self):
-        """The per-channel torch.qint8 weight a piece at a time, unpacked as asked for (copies), its rows in order."""
-        return (torch.ops.quantized.linear_unpack(part)[0] for part in self.parts)
+        """The int8 values a piece at a time, unpacked as asked for (copies), their rows in order."""
+        return (_values(part) for part in self.parts)
 
     def settle(self, rows: int = SETTLED_ROWS) -> bool:
         """Repack the next run of loaded pieces that fits in `rows` rows as one piece; False once none is left."""
@@ -235,7 +236,7 @@ class Int8Linear(_Apart):
             start, self.merged = self.merged, self.merged + 1
             group = self.parts[start:start + run]
             if len(group) > 1:
-                merged = _pack(_unpack(group))
+                merged = _pack(torch.cat([_values(part) for part in group]))
                 # One assignment: a call in flight keeps the list it read, which computes the same numbers.
                 self.parts = [*self.parts[:start], merged, *self.parts[start + run:]]
                 return True
@@ -257,9 +258,8 @@ class Int8Linear(_Apart):
 
     def _matmul(self, x, linear=lambda x, part: torch.ops.quantized.linear_dynamic(x, part, True)):
         parts = self.parts
-        if len(parts) == 1:
-            return linear(x, parts[0])
-        return torch.cat([linear(x, part) for part in parts], -1)
+        y = linear(x, parts[0]) if len(parts) == 1 else torch.cat([linear(x, part) for part in parts], -1)
+        return y.mul_(self.scale)
 
     def _two_part(self, x):
         """x's rows, each quantized as high + low / 126 (high: the row over its peak in 63 levels a side, low: what
@@ -438,18 +438,16 @@ def _whole_numbers(x: torch.Tensor, part) -> torch.Tensor:
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 64, part)
 
 
-def _pack(qweight: torch.Tensor):
-    return torch.ops.quantized.linear_prepack(qweight, None)
+def _pack(values: torch.Tensor):
+    # At scale 1: for a per-channel weight fbgemm's prepack reads each row's scale and zero point through a tensor of
+    # its own (~1.9 us a row, a fifth of the packing's time; a second start of the 2B read and packed in 5.5-6.3 s
+    # against 6.8-8.2 s, Zen 3, scratch readab.py), and every row's scale is one multiply of the output anyway.
+    return torch.ops.quantized.linear_prepack(at_scale_one(values), None)
 
 
-def _unpack(parts: list) -> torch.Tensor:
-    """The per-channel torch.qint8 weight that packed parts hold, their rows in order."""
-    pieces = [torch.ops.quantized.linear_unpack(part)[0] for part in parts]
-    if len(pieces) == 1:
-        return pieces[0]
-    return per_channel_qint8(torch.cat([p.int_repr() for p in pieces]),
-                             torch.cat([p.q_per_channel_scales() for p in pieces]),
-                             torch.cat([p.q_per_channel_zero_points() for p in pieces]))
+def _values(part) -> torch.Tensor:
+    """The int8 values fbgemm's packed part holds (a copy)."""
+    return torch.ops.quantized.linear_unpack(part)[0].int_repr()
 
 
 def _replace_linears(root: nn.Module, convert):

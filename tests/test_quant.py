@@ -95,8 +95,24 @@ def test_int8_decodes_one_row_with_fbgemms_own_call():
     torch.manual_seed(0)
     linear = quant._dynamic_int8(torch.nn.Linear(256, 64, bias=True))
     x = torch.randn(1, 1, 256) * 30
-    packed = torch.ops.quantized.linear_prepack(linear.weight(), None)
-    assert torch.equal(linear(x), torch.ops.quantized.linear_dynamic(x, packed, True) + linear.bias)
+    packed = torch.ops.quantized.linear_prepack(quant.at_scale_one(linear.weight().int_repr()), None)
+    assert torch.equal(linear(x), torch.ops.quantized.linear_dynamic(x, packed, True) * linear.scale + linear.bias)
+
+
+def test_int8_scales_fbgemms_output_by_each_rows_scale_as_its_per_channel_linear_would():
+    """Packed at scale 1 (quicker to pack), each row's scale multiplies the output: fbgemm's per-channel linear but for
+    the rounding of one product."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 64, bias=False)
+    with torch.no_grad():
+        linear.weight.mul_(torch.logspace(-2, 2, 64)[:, None])  # rows of scales far apart
+    linear = quant._dynamic_int8(linear)
+    per_channel = torch.ops.quantized.linear_prepack(linear.weight(), None)
+    assert all(torch.ops.quantized.linear_unpack(p)[0].qscheme() == torch.per_tensor_affine for p in linear.parts)
+    for rows in (1, 7):
+        x = torch.randn(rows, 256)
+        want = torch.ops.quantized.linear_dynamic(x, per_channel, True)
+        assert torch.allclose(linear._matmul(x), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, quant.DECODE_ROWS])
@@ -143,8 +159,7 @@ import torch
 from qvl import quant
 torch.manual_seed(0)
 linear = quant._dynamic_int8(torch.nn.Linear(512, 64, bias=False))
-weight = linear.weight()
-exact = lambda q: (q.double() @ weight.int_repr().double().T) * weight.q_per_channel_scales()
+exact = lambda q: q.double() @ linear.weight().int_repr().double().T  # its parts are packed at scale 1
 loudest = torch.full((2, 512), 63.0)
 print((quant._whole_numbers(loudest, linear.parts[0]).double() - exact(loudest)).abs().max().item())
 eight_bits = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(loudest * 2 + 1, 1.0, 128, linear.parts[0])
@@ -283,47 +298,49 @@ def test_int8_weights_are_each_rows_values_over_its_peak_rounded_to_127_levels(d
     assert weight.int_repr().abs().amax(1).min() == 0 and weight.int_repr()[599, 3] == 127
 
 
-def _int8_weight(rows=100, columns=256):
+def _int8(rows=100, columns=256) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random linear's int8 values and their rows' scales."""
     torch.manual_seed(0)
-    return quant._dynamic_int8(torch.nn.Linear(columns, rows, bias=False)).weight()
+    weight = quant._dynamic_int8(torch.nn.Linear(columns, rows, bias=False)).weight()
+    return weight.int_repr(), weight.q_per_channel_scales()
 
 
-def test_the_qint8_weight_fbgemm_packs_is_its_int8_values_own_memory_and_packs_as_a_copy_would():
+def test_fbgemm_packs_int8_values_from_their_own_memory_as_from_a_copy():
     values = torch.randint(-127, 128, (96, 64), dtype=torch.int8)
-    scale, zero_point = torch.rand(96, dtype=torch.float64) + 0.01, torch.zeros(96, dtype=torch.int64)
-    weight = quant.per_channel_qint8(values, scale, zero_point)
+    weight = quant.at_scale_one(values)
     assert weight.data_ptr() == values.data_ptr()  # no copy (a start of the 2B made 2.1 B values' worth)
-    copy = torch._make_per_channel_quantized_tensor(values, scale, zero_point, 0)
+    copy = torch._make_per_tensor_quantized_tensor(values, 1.0, 0)
     assert weight.data_ptr() != copy.data_ptr() and torch.equal(weight.dequantize(), copy.dequantize())
     x = torch.randn(5, 64)
-    assert torch.equal(quant.Int8Linear(weight, None, rows=32)(x), quant.Int8Linear(copy, None, rows=32)(x))
+    linear = lambda w: torch.ops.quantized.linear_dynamic(x, torch.ops.quantized.linear_prepack(w, None), True)
+    assert torch.equal(linear(weight), linear(copy))
 
 
 def test_int8_pieces_give_the_whole_linears_output_bit_for_bit():
-    weight = _int8_weight()
-    whole, pieces = quant.Int8Linear(weight, torch.randn(100)), quant.Int8Linear(weight, torch.randn(100), rows=16)
+    values, scale = _int8()
+    whole, pieces = quant.Int8Linear(values, scale, torch.randn(100)), quant.Int8Linear(values, scale, None, rows=16)
     pieces.bias = whole.bias
-    assert len(pieces.parts) == 7 and torch.equal(pieces.weight().int_repr(), weight.int_repr())
-    assert torch.equal(pieces.weight().q_per_channel_scales(), weight.q_per_channel_scales())
+    assert len(pieces.parts) == 7 and torch.equal(pieces.weight().int_repr(), values)
+    assert torch.equal(pieces.weight().q_per_channel_scales(), scale.float().double())
     for rows in (1, 16):
         x = torch.randn(rows, 256)
         assert torch.equal(pieces(x), whole(x))
 
 
 def test_settling_repacks_pieces_a_run_at_a_time_and_changes_no_output():
-    linear = quant.Int8Linear(_int8_weight(), None, rows=16)  # 100 rows: 7 pieces
+    linear = quant.Int8Linear(*_int8(), None, rows=16)  # 100 rows: 7 pieces
     x = torch.randn(5, 256)
     before = linear(x)
     assert linear.settle(rows=64) and len(linear.parts) == 4  # the first four pieces are one
     assert torch.equal(linear(x), before)
     assert linear.settle(rows=64) and len(linear.parts) == 2  # and the last three
     assert not linear.settle(rows=64) and torch.equal(linear(x), before)
-    assert torch.equal(linear.weight().int_repr(), _int8_weight().int_repr())
-    whole = quant.Int8Linear(_int8_weight(), None, rows=16)
+    assert torch.equal(linear.weight().int_repr(), _int8()[0])
+    whole = quant.Int8Linear(*_int8(), None, rows=16)
     while whole.settle():
         pass
     assert len(whole.parts) == 1 and torch.equal(whole(x), before)
-    assert not quant.Int8Linear(_int8_weight(), None).settle()  # loaded whole: nothing to do
+    assert not quant.Int8Linear(*_int8(), None).settle()  # loaded whole: nothing to do
 
 
 def _sharp(model):
