@@ -5,18 +5,17 @@ import signal
 import sys
 import threading
 
-from qvl import heap, settings  # light: --help and a flag error answer before torch and gradio load (seconds)
+from qvl import cpu, heap, settings  # light: --help and a flag error answer before torch and gradio load (seconds)
 
 log = logging.getLogger("qvl")
 
 
 def main():
     config = settings.parse()
+    cpu.hold_collector()  # until the page is up
     heap.limit_arenas()  # before the model, the server and their threads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes, one line each
-    from qvl import cpu
-
     if not config.backend:
         from qvl import modelcache
 
@@ -48,7 +47,7 @@ def main():
 
 def serve(engine, config):
     """The page, the OpenAI API and the warm-up, until Ctrl+C or SIGTERM."""
-    from qvl import answers, cache, cpu, idle, openai_api, tool, ui
+    from qvl import answers, cache, idle, openai_api, tool, ui
 
     answerer = answers.Answerer(engine, cache.AnswerCache(config.cache_dir, config.cache_size, enabled=config.cache),
                                 config)
@@ -64,6 +63,7 @@ def serve(engine, config):
         # The OpenAI API on the same port; routes given to the app first are matched before Gradio's own.
         app_kwargs={"routes": openai_api.routes(answerer, config)},
     )
+    cpu.release_collector()  # the imports are done
     # The page serves at once and says it is warming up; questions asked meanwhile wait in line for the engine.
     threading.Thread(target=engine.warm_up, args=ui.warm_up_request(), name="warm-up", daemon=True).start()
     threading.Thread(target=lambda: engine.ready.wait() and sys.setswitchinterval(cpu.SERVING_SWITCH_S),

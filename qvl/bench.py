@@ -551,16 +551,19 @@ def child(args, ahead: modelcache.Reader | None):
     shutil.rmtree(features, ignore_errors=True)
 
 
-# A row's process starts the way app.py does: the stored model read ahead while transformers imports.
+# A row's process starts the way app.py does: the stored model read ahead while transformers imports, and no garbage
+# collected until the imports are done.
 CHILD = """
 import os, sys
 from qvl import cpu, modelcache, settings
+cpu.hold_collector()  # until the imports are done
 sys.setswitchinterval(cpu.LOADING_SWITCH_S)  # until the engine is ready
 flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 ahead = modelcache.read_ahead(settings.parse([f for k in ("--model", "--quant", "--model-cache-dir")
                                               for f in (k, flags[k])], env={k: v for k, v in os.environ.items()
                                                                             if k == "QVL_THREADS"}))
 from qvl import bench
+cpu.release_collector()
 bench.main(sys.argv[1:], ahead)
 """
 

@@ -1,4 +1,5 @@
 """What CPU this process really runs on: usable cores and the instruction sets that pick kernels."""
+import gc
 import os
 import platform
 import sys
@@ -51,6 +52,21 @@ def background(lower: int = 10):
 # start of the 2B app answered at a median of 13.95 s against 14.95, sooner in 10 of 14 alternating pairs (Zen 4,
 # 2026-12-03, scratch appstart.py).
 LOADING_SWITCH_S, SERVING_SWITCH_S = 0.0005, sys.getswitchinterval()
+
+
+def hold_collector():
+    """At a start, before its imports: no garbage collection until release_collector(). The imports (torch,
+    transformers, gradio) leave ~0.5M long-lived objects, and the collector, set off again and again as they pile up,
+    traversed them all each time: 1.2-1.4 s of their 6-7.5 s on one core (Zen 3, three alternating pairs)."""
+    gc.disable()
+
+
+def release_collector():
+    """Once the imports are done: collect once (~0.4 s), keep what survives (modules, classes, functions: the
+    process's for good) out of every later collection, where a full one took as long again, and collect as usual."""
+    gc.collect()
+    gc.freeze()
+    gc.enable()
 
 
 # AMD (family, first model, last model, core): cloud VMs often name the CPU only "AMD EPYC", and this project's dev VMs

@@ -1,4 +1,5 @@
 """The launched app through its `ask` API (gradio_client), as a script or another program would use it."""
+import re
 import threading
 import time
 
@@ -276,13 +277,15 @@ def test_an_app_stopped_while_its_weights_load_exits_at_once_and_cleanly(tiny_di
     assert "exiting while the model loads" in child.stderr and time.monotonic() - started < 90
 
 
-SWITCH_INTERVALS = """
-import os, signal, sys, threading, time
+START_TUNING = """
+import gc, os, signal, sys, threading, time
 import httpx
 from qvl import cpu, modelcache
 import app
 seen, load = [], modelcache.load
 modelcache.load = lambda *a, **k: seen.append(sys.getswitchinterval()) or load(*a, **k)
+collecting, release = [], cpu.release_collector
+cpu.release_collector = lambda: collecting.append(gc.isenabled()) or release()
 url = f"http://127.0.0.1:{sys.argv[3]}/"
 
 def once_answering():
@@ -299,6 +302,7 @@ def once_answering():
             break
         time.sleep(0.1)
     print("loading:", seen, "serving:", sys.getswitchinterval(), flush=True)
+    print("collecting until the page:", collecting, "then:", gc.isenabled(), "frozen:", gc.get_freeze_count(), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
 threading.Thread(target=once_answering, daemon=True).start()
@@ -308,8 +312,12 @@ app.main()
 """
 
 
-def test_the_gil_changes_hands_often_while_the_model_loads_and_as_usual_once_it_serves(tiny_dir, tmp_path,
-                                                                                       python_child):
-    child = python_child(SWITCH_INTERVALS, tiny_dir, tmp_path, stress.free_port())
+def test_while_the_app_starts_the_gil_changes_hands_often_and_nothing_is_collected_both_as_usual_once_it_serves(
+        tiny_dir, tmp_path, python_child):
+    """The collector waits until the imports are done (the page is up), then leaves what they made out of its
+    passes."""
+    child = python_child(START_TUNING, tiny_dir, tmp_path, stress.free_port())
     assert "loading: [0.0005] serving: 0.005" in child.stdout, child.stdout + child.stderr[-3000:]
+    collecting = re.search(r"collecting until the page: \[False\] then: True frozen: (\d+)", child.stdout)
+    assert collecting and int(collecting[1]) > 100_000, child.stdout
     assert child.returncode == 0, child.stderr[-3000:]
