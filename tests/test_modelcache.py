@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 import weakref
+import zlib
 
 import pytest
 import torch
@@ -324,7 +325,19 @@ def _foreign(file):
     file.write_bytes(data[:8] + text + data[8 + size:])
 
 
-@pytest.mark.parametrize("spoil", [_corrupt, _truncate, _foreign])
+def _asymmetric(file):
+    """One linear's zero points made non-zero, and the CRC-32 made to match: only what the data says spoils it (qvl's
+    int8 weights are symmetric, and fbgemm's are packed as if they were)."""
+    data = bytearray(file.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    zero_point = next(name for name in header if name.endswith(".zero_point"))
+    data[8 + size + header[zero_point]["data_offsets"][0]] = 1
+    header["__metadata__"]["crc32"] = f"{zlib.crc32(data[8 + size:]):08x}"
+    file.write_bytes(bytes(data[:8]) + json.dumps(header).encode().ljust(size) + bytes(data[8 + size:]))
+
+
+@pytest.mark.parametrize("spoil", [_corrupt, _truncate, _foreign, _asymmetric])
 def test_a_spoiled_file_is_ignored_with_a_log_line_and_rebuilt(tiny_dir, tmp_path, spoil, converting, caplog):
     store = ["--model-cache-dir", str(tmp_path)]
     want = _answer(_start(tiny_dir, "int8", *store))
