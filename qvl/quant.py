@@ -154,8 +154,8 @@ warnings.filterwarnings("ignore", message=".*quantized tensor creation functions
 
 def at_scale_one(values: torch.Tensor) -> torch.Tensor:
     """int8 values as the torch.qint8 tensor (scale 1, zero point 0) that fbgemm packs, over their own memory: torch's
-    _make_per_tensor_quantized_tensor copies them (0.4-0.9 ns a value on the Zen 4, 1-2 s of a start of the 2B, whose
-    fbgemm linears hold 2.1 B of them), and fbgemm copies them again to pack."""
+    _make_*_quantized_tensor functions copy them (the per-channel one 0.4-0.9 ns a value on the Zen 4, 1-2 s of a start
+    of the 2B, whose fbgemm linears hold 2.1 B of them), and fbgemm copies them again to pack."""
     weight = torch._empty_affine_quantized(values.shape, scale=1.0, zero_point=0, dtype=torch.qint8)
     return weight.set_(values.untyped_storage(), values.storage_offset(), values.shape, values.stride())
 
@@ -441,7 +441,7 @@ def _whole_numbers(x: torch.Tensor, part) -> torch.Tensor:
 def _pack(values: torch.Tensor):
     # At scale 1: for a per-channel weight fbgemm's prepack reads each row's scale and zero point through a tensor of
     # its own (~1.9 us a row, a fifth of the packing's time; a second start of the 2B read and packed in 5.5-6.3 s
-    # against 6.8-8.2 s, Zen 3, scratch readab.py), and every row's scale is one multiply of the output anyway.
+    # against 6.8-8.2 s, Zen 3, scratch readab.py), for one multiply of each call's output (~2% of a decode step).
     return torch.ops.quantized.linear_prepack(at_scale_one(values), None)
 
 
