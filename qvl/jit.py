@@ -82,12 +82,13 @@ def _split_kernel(rows, parts):
     return levels
 
 
-def _join_kernel(y, levels, out):
-    """out = (y[:r] + y[r:] / 126) * levels: the two parts' outputs back as one row each."""
+def _join_kernel(y, levels, scale, out):
+    """out = (y[:r] + y[r:] / 126) * levels * scale: the two parts' outputs back as one row each, each column times
+    its weight row's scale."""
     r = len(out)
     for i in range(r):
         for j in range(out.shape[1]):
-            out[i, j] = (y[i, j] + y[r + i, j] * np.float32(1 / 126)) * levels[i, 0]
+            out[i, j] = (y[i, j] + y[r + i, j] * np.float32(1 / 126)) * levels[i, 0] * scale[j]
 
 
 def _norm_kernel(x, weight, eps, out):
@@ -152,7 +153,7 @@ def warm(cache_dir: str) -> bool:
                 cache = np.zeros((1, 2, 2), np.float32)
                 kernels[0](q, cache, cache, 1, 1.0, q.copy())
                 levels = kernels[1](rows[:1], np.zeros((2, 2), np.float32))
-                kernels[2](rows[:2], levels, np.zeros((1, 2), np.float32))
+                kernels[2](rows[:2], levels, rows[0], np.zeros((1, 2), np.float32))
                 kernels[3](rows, rows[0], 1e-6, rows.copy())
                 kernels[4](rows, rows, rows[0], rows[0], 1e-6, 1, 1, cache, cache.copy(), 1, q[0])
             except Exception as e:  # no numba wheel for this platform, or a compile failure
@@ -177,16 +178,16 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, sc
     return out
 
 
-def split(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows (r x in, float32, contiguous) as 2r whole-number rows, and each row's level: quant.Int8Linear._split."""
-    parts = torch.empty(2 * len(rows), rows.shape[1])
-    return parts, torch.from_numpy(_split(rows.numpy(), parts.numpy()))
-
-
-def join(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(len(levels), y.shape[1])
-    _join(y.numpy(), levels.numpy(), out.numpy())
-    return out
+def in_two_parts(rows: torch.Tensor, linear, scale: torch.Tensor) -> torch.Tensor:
+    """quant.Int8Linear._two_part: rows (r x in, float32, contiguous) split into 2r whole-number rows, linear's
+    output for them (r x out, before the weight rows' scales), joined back into r rows times scale. numpy's buffers:
+    a decode step makes this call ~113 times, and each torch op around it cost more than the kernels."""
+    parts = np.empty((2 * len(rows), rows.shape[1]), np.float32)
+    levels = _split(rows.numpy(), parts)
+    y = linear(torch.from_numpy(parts))
+    out = np.empty((len(rows), y.shape[1]), np.float32)
+    _join(y.numpy(), levels, scale.numpy(), out)
+    return torch.from_numpy(out)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -256,10 +256,13 @@ class Int8Linear(_Apart):
             y = self._add_apart(y, loud)
         return y if self.bias is None else y + self.bias
 
-    def _matmul(self, x, linear=lambda x, part: torch.ops.quantized.linear_dynamic(x, part, True)):
+    def _matmul(self, x):
+        return self._fbgemm(x).mul_(self.scale)
+
+    def _fbgemm(self, x, linear=lambda x, part: torch.ops.quantized.linear_dynamic(x, part, True)):
+        """fbgemm's output for x, before the rows' scales."""
         parts = self.parts
-        y = linear(x, parts[0]) if len(parts) == 1 else torch.cat([linear(x, part) for part in parts], -1)
-        return y.mul_(self.scale)
+        return linear(x, parts[0]) if len(parts) == 1 else torch.cat([linear(x, part) for part in parts], -1)
 
     def _two_part(self, x):
         """x's rows, each quantized as high + low / 126 (high: the row over its peak in 63 levels a side, low: what
@@ -273,12 +276,11 @@ class Int8Linear(_Apart):
         once they are compiled: in torch's ops they are ~14 calls of a few microseconds each."""
         rows = x.reshape(-1, self.in_features).contiguous()
         if jit.ready.is_set():
-            parts, levels = jit.split(rows)
-            y = jit.join(self._matmul(parts, _whole_numbers), levels)
+            y = jit.in_two_parts(rows, lambda parts: self._fbgemm(parts, _whole_numbers), self.scale)
         else:
             parts, levels = self._split(rows)
-            y = self._matmul(parts, _whole_numbers)
-            y = y[:len(rows)].add_(y[len(rows):], alpha=1 / 126).mul_(levels)
+            y = self._fbgemm(parts, _whole_numbers)
+            y = y[:len(rows)].add_(y[len(rows):], alpha=1 / 126).mul_(levels).mul_(self.scale)
         return y.view(*x.shape[:-1], self.out_features)
 
     @staticmethod

@@ -89,7 +89,7 @@ def kernels(request, engine, monkeypatch) -> tuple[str, list]:
     if request.param == "jit":
         ready.set()
     monkeypatch.setattr(jit, "ready", ready)
-    for name in ("attend", "split", "norm", "rope"):
+    for name in ("attend", "in_two_parts", "norm", "rope"):
         kernel = getattr(jit, name)
         monkeypatch.setattr(jit, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
     return request.param, calls
