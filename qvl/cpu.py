@@ -118,6 +118,22 @@ def core(text: str | None = None) -> str:
                 f"family {family} model {model}")
 
 
+def halves_256_bit(text: str | None = None) -> bool:
+    """Whether this CPU's cores run each 256-bit AVX2 operation as two 128-bit halves: AMD's before Zen 2 (Zen 1,
+    Zen+, Hygon's Zen 1, the Bulldozer line) and Intel's Alder Lake-N (N100 to i3-N305: Gracemont cores only, not
+    measured here). There fbgemm's int8 kernel is bound by computing, not by reading its weights (a Zen 1 core read
+    ~9 GB/s through it; a Zen 3 core, memory-bound, reads a second row at no cost)."""
+    text = _cpuinfo() if text is None else text
+    vendor = _field("vendor_id", text)
+    try:
+        family, model = int(_field("cpu family", text)), int(_field("model", text))
+    except ValueError:
+        return False
+    if vendor == "AuthenticAMD":
+        return family < 23 or (family == 23 and model < 0x30)
+    return vendor == "HygonGenuine" or (vendor == "GenuineIntel" and family == 6 and model == 0xBE)
+
+
 def describe() -> str:
     """One line for logs and benchmarks, e.g. 'AMD EPYC (Zen 3), 2 cores, AVX2'."""
     have = [name for name in _FLAGS.values() if name in flags()]

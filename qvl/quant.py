@@ -3,20 +3,23 @@
 Measured on a quiet 2-core AVX2 EPYC (no AVX-512), one 2048x6144 linear, weights out of cache (`python -m qvl.bench`
 has the whole-model figures): decode (1 row) fp32 4.8 ms, bf16 2.3, fbgemm dynamic int8 0.80, int8 weight-only 1.5,
 int4 weight-only (group 128) 1.1; prefill (256 rows) fbgemm int8 216 GFLOP/s, fp32 78, int8/int4 weight-only ~46,
-bf16 19 (no bf16 instructions: bf16 matmuls are emulated). So on AVX2 fbgemm int8 wins both phases (`int8`).
+bf16 19 (no bf16 instructions: bf16 matmuls are emulated). So on AVX2 fbgemm int8 wins both phases.
 
-Where fbgemm has AVX-512 VNNI (Zen 4/5, Ice Lake, Sapphire Rapids) `auto` is `w8a14`: the same fbgemm int8 linears,
-each text decode row fed as two rows (its int8 levels and what they rounded off, 14 bits together,
-Int8Linear._two_part). VNNI's kernel is bound by reading the weights, once for both rows, so the second row costs
-only the split's elementwise work. Measured on a 2-core Zen 4 (`python -m qvl.bench --random-weights [--outliers]
+`auto` is `w8a14` wherever fbgemm's kernel is bound by reading the weights: with AVX-512 VNNI (Zen 4/5, Ice Lake,
+Sapphire Rapids), and with AVX2 on cores that run 256-bit operations whole (Zen 2 and later, Intel's big cores). It
+is the same fbgemm int8 linears, each text decode row fed as two rows (its int8 levels and what they rounded off, 14
+bits together, Int8Linear._two_part), and reading each weight once serves both rows, so the second row costs only
+the split's elementwise work. Measured on a 2-core Zen 4 (`python -m qvl.bench --random-weights [--outliers]
 --rows fp32,bf16,int8,w8a16,auto --runs 1`, README's Speed section): the logits of `w8a16` (int8 weights, bf16
 activations never quantized; 22.2/22.8 dB of SQNR against `int8`'s 17.4/18.4, plain/outliers) within 0.7 dB, a decode
 1.3x `w8a16`'s (whose weight-only kernel reads bytes slower) and 0.91-0.95x `int8`'s (one process, the two
-alternating), and `int8`'s first token, 0.65-0.8x `w8a16`'s. On AVX2 alone fbgemm's kernel is not bound by memory (a
-Zen 1 core reads ~9 GB/s through it), so the second row costs more (~29%, a scratch measurement of an earlier version
-on the Zen 1) and `auto` stays `int8`. int4 (an int4 copy of each text linear for decode, an fbgemm int8 one for
-prefill) decodes ~1.8x as fast on a Zen 5 but its g128 weights keep 2 dB (`--linears`), and the two copies hold 0.38x
-fp32's memory. All stay available by name.
+alternating), and `int8`'s first token, 0.65-0.8x `w8a16`'s. On a Zen 3 (AVX2 only): fbgemm's call takes as long
+for two rows as for one at every shape of the 2B, and a standard answer decoded at 0.90-0.98x `int8`'s speed (median
+0.949, five alternating pairs in one process) for 21.4 dB against 17.4. Where cores split 256-bit operations in
+two (Zen 1, cpu.halves_256_bit) the kernel is bound by computing (a Zen 1 core reads ~9 GB/s through it), the second
+row cost ~29% (a scratch measurement of an earlier version), and `auto` is `int8`. int4 (an int4 copy of each text
+linear for decode, an fbgemm int8 one for prefill) decodes ~1.8x as fast on a Zen 5 but its g128 weights keep 2 dB
+(`--linears`), and the two copies hold 0.38x fp32's memory. All stay available by name.
 
 The quantized modes stream the checkpoint tensor by tensor into an uninitialised skeleton and
 convert each linear as it arrives, so loading never holds a full bf16 copy beside the quantized one (2B int8: 3.3 GB
@@ -45,12 +48,16 @@ EMBEDDING = "model.language_model.embed_tokens"  # the token table, kept as a Bf
 DECODE_ROWS = 8  # up to this many rows the int4 kernel is bandwidth-bound and wins; above, int8 compute wins
 
 
-def resolve(mode: str, flags: frozenset[str] | None = None) -> str:
-    """The concrete mode `auto` stands for on a CPU with these instruction sets (default: this CPU's)."""
+def resolve(mode: str, flags: frozenset[str] | None = None, halves: bool | None = None) -> str:
+    """The concrete mode `auto` stands for on a CPU with these instruction sets and whose cores do (halves) or do not
+    split 256-bit operations in two (default: this CPU's)."""
     if mode != "auto":
         return mode
     flags = cpu.flags() if flags is None else flags
-    if "VNNI" in flags:  # fbgemm reads a second row nearly free: w8a16's quality near int8's speed (module docstring)
+    halves = cpu.halves_256_bit() if halves is None else halves
+    # Where fbgemm's kernel is bound by reading the weights it reads a second row nearly free: w8a16's quality near
+    # int8's speed (module docstring).
+    if "VNNI" in flags or ("AVX2" in flags and not halves):
         return "w8a14"
     # fbgemm needs AVX2; without it, it and the int4 kernel fall back to scalar loops slower than fp32.
     return "int8" if "AVX2" in flags else "fp32"

@@ -88,8 +88,8 @@ QUANT_MODES = ("auto", "fp32", "bf16", "int8", "int4", "w8a16", "w8a14")
 _HELP = {
     "model": "hub id or local folder of a Qwen3-VL checkpoint",
     "require_model": "fail instead of falling back to the tiny offline model",
-    "quant": "weights: auto (int8 on AVX2; w8a14, int8 decoding 14-bit activations, with AVX-512 VNNI), fp32, bf16, "
-             "int8, int4, w8a16, w8a14",
+    "quant": "weights: auto (w8a14, int8 decoding 14-bit activations, with AVX2; int8 where cores split 256-bit "
+             "operations, as Zen 1's do), fp32, bf16, int8, int4, w8a16, w8a14",
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",

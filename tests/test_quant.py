@@ -9,17 +9,19 @@ from qvl.engine import Engine, Turn
 from qvl.settings import GenParams
 
 
-@pytest.mark.parametrize("flags, mode", [
-    (frozenset({"AVX2"}), "int8"),
-    (frozenset({"AVX2", "AVX-512"}), "int8"),
-    (frozenset({"AVX2", "AVX-512", "VNNI"}), "w8a14"),
-    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16"}), "w8a14"),
-    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16", "AMX"}), "w8a14"),
-    (frozenset(), "fp32"),
+@pytest.mark.parametrize("flags, halves, mode", [
+    (frozenset({"AVX2"}), False, "w8a14"),  # Zen 3: fbgemm reads a second decode row at no cost
+    (frozenset({"AVX2"}), True, "int8"),  # Zen 1: each 256-bit op in two halves, fbgemm bound by computing
+    (frozenset({"AVX2", "AVX-512"}), False, "w8a14"),
+    (frozenset({"AVX2", "AVX-512", "VNNI"}), False, "w8a14"),
+    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16"}), False, "w8a14"),
+    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16", "AMX"}), False, "w8a14"),
+    (frozenset(), False, "fp32"),
+    (frozenset(), True, "fp32"),
 ])
-def test_auto_resolves_to_a_concrete_mode_for_the_cpu_flags(flags, mode):
-    assert quant.resolve("auto", flags) == mode
-    assert quant.resolve("int8", flags) == "int8"  # an explicit mode is never overridden
+def test_auto_resolves_to_a_concrete_mode_for_the_cpu(flags, halves, mode):
+    assert quant.resolve("auto", flags, halves) == mode
+    assert quant.resolve("int8", flags, halves) == "int8"  # an explicit mode is never overridden
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14", "auto"])

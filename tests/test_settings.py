@@ -147,6 +147,26 @@ def test_an_amd_cpu_is_named_by_its_core_generation_which_its_model_name_may_hid
     assert (cpu.core(text), cpu.model_name(text), cpu.flags(text)) == (core, name, frozenset({"AVX2"}))
 
 
+@pytest.mark.parametrize("vendor, family, model, halves", [
+    ("AuthenticAMD", 23, 1, True),  # Zen 1
+    ("AuthenticAMD", 23, 8, True),  # Zen+
+    ("AuthenticAMD", 21, 101, True),  # Excavator
+    ("HygonGenuine", 24, 0, True),  # Hygon's Zen 1
+    ("AuthenticAMD", 23, 49, False),  # Zen 2
+    ("AuthenticAMD", 25, 1, False),  # Zen 3
+    ("AuthenticAMD", 26, 2, False),  # Zen 5
+    ("GenuineIntel", 6, 190, True),  # Alder Lake-N (N100): Gracemont cores only
+    ("GenuineIntel", 6, 143, False),  # Sapphire Rapids
+    ("GenuineIntel", 6, 63, False),  # Haswell
+])
+def test_cores_that_split_256_bit_operations_in_two_are_known(vendor, family, model, halves):
+    assert cpu.halves_256_bit(_cpuinfo(vendor, family, model, "a CPU")) is halves
+
+
+def test_cores_of_a_cpu_without_family_and_model_are_taken_as_whole():
+    assert cpu.halves_256_bit("") is False and cpu.halves_256_bit("vendor_id\t: AuthenticAMD\n") is False
+
+
 def test_the_start_up_line_and_the_benchmarks_name_the_core_generation(monkeypatch):
     monkeypatch.setattr(cpu, "_cpuinfo", lambda: _cpuinfo("AuthenticAMD", 23, 1, "AMD EPYC"))
     assert cpu.describe().startswith("AMD EPYC (Zen 1), ") and cpu.describe().endswith(" cores, AVX2")
