@@ -1,8 +1,8 @@
 """The quantized model on disk, so that a start after the first reads its final weights instead of converting.
 
 Converting the bf16 checkpoint (quantizing every linear) takes most of a quantized start; the converted tensors are
-written once, per checkpoint and mode, to MODE-WEIGHTS.safetensors in the model cache folder, and later starts read
-them back. fp32 and bf16 load the checkpoint as it is, so they have nothing to keep.
+written once, per checkpoint and mode, to MODE-WEIGHTS.safetensors in the model cache folder (`w8a14` shares
+`int8`'s), and later starts read them back. fp32 and bf16 load the checkpoint as it is, so they have nothing to keep.
 
 What is stored, as plain tensors (safetensors, never unpickled): for an fbgemm int8 linear its int8 weight, per-row
 scales and zero points, its bias, and the loud input channels it computes apart with their weights (fbgemm packs its
@@ -93,12 +93,17 @@ def weights_version(folder: str) -> str:
     return digest.hexdigest()[:16]
 
 
+# w8a14 is int8's converted model with its decode rows fed in two parts (quant.in_two_parts, set once it is read):
+# one file for both, so that a start that switches between them (as `auto` did on AVX2 on 2026-12-04) converts nothing.
+STORED = {"w8a14": "int8"}
+
+
 def key(weights: str, mode: str) -> dict[str, str]:
-    return {"weights": weights, "mode": mode, "layout": LAYOUT, "torch": torch.__version__}
+    return {"weights": weights, "mode": STORED.get(mode, mode), "layout": LAYOUT, "torch": torch.__version__}
 
 
 def path(folder: str, weights: str, mode: str) -> Path:
-    return Path(folder) / f"{mode}-{weights}.safetensors"
+    return Path(folder) / f"{STORED.get(mode, mode)}-{weights}.safetensors"
 
 
 def read_ahead(settings) -> "Reader | None":

@@ -52,7 +52,8 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
     store = ["--model-cache-dir", str(tmp_path / "models")]
     first = _start(tiny_dir, mode, *store)
     [name] = _files(tmp_path / "models")
-    assert len(converting) == 1 and name.startswith(f"{mode}-") and name.endswith(".safetensors")
+    assert len(converting) == 1 and name.startswith(f"{modelcache.STORED.get(mode, mode)}-")
+    assert name.endswith(".safetensors")
     assert f"converting the checkpoint to {mode}" in caplog.text  # the minutes of a first start are announced
     second = _start(tiny_dir, mode, *store)
     assert len(converting) == 1 and "from the model cache" in caplog.text  # read, not converted
@@ -62,6 +63,19 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
     with torch.inference_mode():
         for rows in (ids[:, :1], ids):
             assert torch.equal(second.model(input_ids=rows).logits, first.model(input_ids=rows).logits)
+
+
+@pytest.mark.parametrize("first, then", [("int8", "w8a14"), ("w8a14", "int8")])
+def test_int8_and_w8a14_share_one_kept_model_and_each_answers_as_its_own_conversion_does(tiny_dir, tmp_path, first,
+                                                                                      then, converting):
+    store = ["--model-cache-dir", str(tmp_path / "models")]
+    _start(tiny_dir, first, *store)
+    switched = _start(tiny_dir, then, *store)
+    assert len(converting) == 1 and len(_files(tmp_path / "models")) == 1  # read, not converted, and one file
+    assert switched.precision.startswith(then)
+    parts = {m.two_part for m in switched.model.modules() if isinstance(m, quant.Int8Linear)}
+    assert parts == ({False, True} if then == "w8a14" else {False})  # the text's decode rows in two, or none
+    assert _answer(switched) == _answer(_start(tiny_dir, then, "--no-model-cache"))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/maps")
