@@ -79,10 +79,10 @@ def numba_cache(tmp_path_factory):
 
 
 @pytest.fixture(params=["torch", "jit"])
-def kernels(request, engine, monkeypatch) -> tuple[str, list]:
-    """Decode on torch's ops, or on qvl.jit's numba kernels; returns the choice and the names of the kernels called
-    (proof that they ran). The session engine's background work, which warms the kernels, is over first: it would
-    switch them on mid-test."""
+def kernels(request, engine, monkeypatch):
+    """Decode on torch's ops, or on qvl.jit's numba kernels; gives the choice and the names of the kernels called
+    (proof that they ran). No engine's background work may warm the kernels meanwhile: it would switch them on
+    mid-test (an earlier test's engine, still warming, did so in a CI run), so the test holds warm()'s lock."""
     engine.settled.wait()
     assert jit.warm(engine.settings.cache_dir)
     ready, calls = threading.Event(), []
@@ -92,7 +92,8 @@ def kernels(request, engine, monkeypatch) -> tuple[str, list]:
     for name in ("attend", "in_two_parts", "norm", "rope"):
         kernel = getattr(jit, name)
         monkeypatch.setattr(jit, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
-    return request.param, calls
+    with jit._warming:
+        yield request.param, calls
 
 
 @pytest.fixture(scope="session")
