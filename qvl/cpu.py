@@ -104,15 +104,20 @@ def model_name(text: str | None = None) -> str:
     return _field("model name", _cpuinfo() if text is None else text) or platform.processor() or platform.machine()
 
 
+def _identity(text: str | None) -> tuple[str, int, int] | None:
+    """The first processor's vendor, family and model (None where /proc/cpuinfo lacks the numbers)."""
+    text = _cpuinfo() if text is None else text
+    try:
+        return _field("vendor_id", text), int(_field("cpu family", text)), int(_field("model", text))
+    except ValueError:
+        return None
+
+
 def core(text: str | None = None) -> str:
     """AMD's core generation ('Zen 3'), or 'family F model M' for an AMD one this table does not know; '' for
     other vendors, whose model names say it."""
-    text = _cpuinfo() if text is None else text
-    if _field("vendor_id", text) != "AuthenticAMD":
-        return ""
-    try:
-        family, model = int(_field("cpu family", text)), int(_field("model", text))
-    except ValueError:
+    vendor, family, model = _identity(text) or ("", 0, 0)
+    if vendor != "AuthenticAMD":
         return ""
     return next((name for f, first, last, name in _AMD_CORES if f == family and first <= model <= last),
                 f"family {family} model {model}")
@@ -123,12 +128,7 @@ def halves_256_bit(text: str | None = None) -> bool:
     Zen+, Hygon's Zen 1, the Bulldozer line) and Intel's Alder Lake-N (N100 to i3-N305: Gracemont cores only, not
     measured here). There fbgemm's int8 kernel is bound by computing, not by reading its weights (a Zen 1 core read
     ~9 GB/s through it; a Zen 3 core, memory-bound, reads a second row at no cost)."""
-    text = _cpuinfo() if text is None else text
-    vendor = _field("vendor_id", text)
-    try:
-        family, model = int(_field("cpu family", text)), int(_field("model", text))
-    except ValueError:
-        return False
+    vendor, family, model = _identity(text) or ("", 0, 0)
     if vendor == "AuthenticAMD":
         return family < 23 or (family == 23 and model < 0x30)
     return vendor == "HygonGenuine" or (vendor == "GenuineIntel" and family == 6 and model == 0xBE)
