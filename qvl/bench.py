@@ -273,7 +273,7 @@ def decode_bytes(model) -> int:
         if id(sub) in skip or isinstance(sub, (torch.nn.Embedding, quant.Bf16Embedding)):
             continue
         if isinstance(sub, quant.Int8Linear):
-            total += sub.out_features * sub.in_features  # int8, held in fbgemm's packed form, not as a parameter
+            total += len(sub.scale) * sub.in_features  # int8, held in fbgemm's packed form, not as a parameter
         total += sum(t.numel() * t.element_size() for t in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)])
     return total
 

@@ -1,12 +1,13 @@
 """The quantized model on disk, so that a start after the first reads its final weights instead of converting.
 
 Converting the bf16 checkpoint (quantizing every linear) takes most of a quantized start; the converted tensors are
-written once, per checkpoint and mode, to MODE-WEIGHTS.safetensors in the model cache folder (`w8a14` shares
-`int8`'s), and later starts read them back. fp32 and bf16 load the checkpoint as it is, so they have nothing to keep.
+written once, per checkpoint and mode, to MODE-WEIGHTS.safetensors in the model cache folder, and later starts
+read them back. fp32 and bf16 load the checkpoint as it is, so they have nothing to keep.
 
 What is stored, as plain tensors (safetensors, never unpickled): for an fbgemm int8 linear its int8 weight, per-row
-scales and zero points, its bias, and the loud input channels it computes apart with their weights (fbgemm packs its
-own layout at load, a fraction of converting); for an int4 linear its packed weight, scales and zeros; for a w8a16
+scales and zero points (two rows for each output channel where the weights are in two parts, and their count), its
+bias, and the loud input channels it computes apart with their weights (fbgemm packs its own layout at load, a
+fraction of converting); for an int4 linear its packed weight, scales and zeros; for a w8a16
 linear its int8 weight and scales (and loud channels), used as they are read; everything else (bf16 token table, fp32
 norms) as the model holds it.
 The file's metadata holds the key, what makes it valid: the checkpoint's weights version, the mode, LAYOUT and the
@@ -54,7 +55,7 @@ log = logging.getLogger("qvl")
 # A module in more pieces than this (over half a second of packing on one core here) is packed by all the reader's
 # workers at once; smaller ones are packed one per worker (more threads would only take cores from the imports).
 MANY_PIECES = 12
-LAYOUT = "3"  # what is stored for each module: change it whenever that changes, so older files are rebuilt
+LAYOUT = "4"  # what is stored for each module: change it whenever that changes, so older files are rebuilt
 _NAMES = {dtype: name for name, dtype in quant.DTYPES.items()}
 
 
@@ -93,17 +94,12 @@ def weights_version(folder: str) -> str:
     return digest.hexdigest()[:16]
 
 
-# w8a14 is int8's converted model with its decode rows fed in two parts (quant.in_two_parts, set once it is read):
-# one file for both, so that a start that switches between them (as `auto` did on AVX2 on 2026-12-04) converts nothing.
-STORED = {"w8a14": "int8"}
-
-
 def key(weights: str, mode: str) -> dict[str, str]:
-    return {"weights": weights, "mode": STORED.get(mode, mode), "layout": LAYOUT, "torch": torch.__version__}
+    return {"weights": weights, "mode": mode, "layout": LAYOUT, "torch": torch.__version__}
 
 
 def path(folder: str, weights: str, mode: str) -> Path:
-    return Path(folder) / f"{STORED.get(mode, mode)}-{weights}.safetensors"
+    return Path(folder) / f"{mode}-{weights}.safetensors"
 
 
 def read_ahead(settings) -> "Reader | None":
@@ -184,10 +180,13 @@ def _tensors(model: nn.Module, data: bool = True):
     for prefix, module in model.named_modules():
         if isinstance(module, quant.Int8Linear):
             # The stored form of a per-channel torch.qint8 weight: int8 values, float64 scales, int64 zero points (0).
-            rows, shape = module.out_features, (module.out_features, module.in_features)
-            values = module.pieces() if data else torch.empty(shape, dtype=torch.int8, device="meta")
+            rows = len(module.scale)  # two per output channel where its weights are in two parts
+            values = module.pieces() if data else torch.empty((rows, module.in_features), dtype=torch.int8,
+                                                                device="meta")
             yield from [(f"{prefix}.qweight", values), (f"{prefix}.scale", module.scale.double()),
                         (f"{prefix}.zero_point", torch.zeros(rows, dtype=torch.int64))]
+            if module.weight_parts > 1:
+                yield f"{prefix}.weight_parts", torch.tensor([module.weight_parts])
             if module.apart is not None:
                 yield from [(f"{prefix}.apart", module.apart), (f"{prefix}.columns", module.columns)]
             if module.bias is not None:
@@ -421,15 +420,16 @@ def _linear(reader: Reader, prefix: str, out_features: int) -> nn.Module:
 def _fbgemm(tensors: dict, prefix: str, workers: int, drop) -> nn.Module:
     values = tensors.pop(f"{prefix}.qweight")  # over the mapping: fbgemm packs straight from the page cache
     scale, bias = tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.bias", None)
+    parts = int(tensors.pop(f"{prefix}.weight_parts", 1))
     if tensors.pop(f"{prefix}.zero_point").any():  # no conversion of qvl's makes them: not a file of its own
         raise ValueError(f"{prefix} has asymmetric int8 weights")
     # In pieces, which fbgemm packs faster; the engine settles them into whole linears once it is serving.
     rows = max(1, quant.PIECE // values.shape[1])
     if values.shape[0] <= rows * MANY_PIECES:  # the modules packed beside it keep the other cores busy
-        linear = quant.Int8Linear(values, scale, bias, rows=rows)
+        linear = quant.Int8Linear(values, scale, bias, rows=rows, parts=parts)
     else:  # the 2B's head, 75 pieces and last in the file, was the last ~3 s of a start on one core, the other idle
         with ThreadPoolExecutor(workers, thread_name_prefix="pack", initializer=cpu.background) as pool:
-            linear = quant.Int8Linear(values, scale, bias, rows=rows, pack=pool.map)
+            linear = quant.Int8Linear(values, scale, bias, rows=rows, pack=pool.map, parts=parts)
     del values
     drop(f"{prefix}.qweight")  # packed: its stored pages need not stay beside the packed layout
     if f"{prefix}.apart" in tensors:

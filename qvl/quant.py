@@ -9,7 +9,8 @@ bf16 19 (no bf16 instructions: bf16 matmuls are emulated). So on AVX2 fbgemm int
 Sapphire Rapids), and with AVX2 on cores that run 256-bit operations whole (Zen 2 and later, Intel's big cores). It
 is the same fbgemm int8 linears, each text decode row fed as two rows (its int8 levels and what they rounded off, 14
 bits together, Int8Linear._two_part), and reading each weight once serves both rows, so the second row costs only
-the split's elementwise work. Measured on a 2-core Zen 4 (`python -m qvl.bench --random-weights [--outliers]
+the split's elementwise work; and the first text layers' weights in two int8 parts (TWO_PART_LAYERS), whose errors
+every later layer carries on. Measured on a 2-core Zen 4 (`python -m qvl.bench --random-weights [--outliers]
 --rows fp32,bf16,int8,w8a16,auto --runs 1`, README's Speed section): the logits of `w8a16` (int8 weights, bf16
 activations never quantized; 22.2/22.8 dB of SQNR against `int8`'s 17.4/18.4, plain/outliers) within 0.7 dB, a decode
 1.3x `w8a16`'s (whose weight-only kernel reads bytes slower) and 0.91-0.95x `int8`'s (one process, the two
@@ -46,6 +47,13 @@ log = logging.getLogger("qvl")
 GROUP = 128  # int4 scale/zero group: 32 gains little accuracy on these weights and decodes 40% slower
 EMBEDDING = "model.language_model.embed_tokens"  # the token table, kept as a Bf16Embedding
 DECODE_ROWS = 8  # up to this many rows the int4 kernel is bandwidth-bound and wins; above, int8 compute wins
+# w8a14 keeps the first text layers' weights in two int8 parts (Int8Linear), ~15 bits a weight: an error there runs
+# through every layer after it. The random 2B's text logits with w8a14's decode (scratch sens2.py, Zen 3, 2026-12-04,
+# plain / outlier weights): 21.3 / 21.3 dB of SQNR against fp32 with none, 26.5 / 26.6 with layer 0, 28.3 / 28.4
+# with layers 0-1, 29.4 / 29.6 with 0-2, where `--linears` had bf16 at 33.1 / 33.0; each layer adds 2.9% to a
+# decode step's bytes. Keeping the head or the last layer so gained under 0.2 dB, and `int8`, whose 7-bit
+# activations cost it more than its weights, 0.35 dB (12.4 -> 12.8, layers 0-1), so it keeps one part.
+TWO_PART_LAYERS = 2
 
 
 def resolve(mode: str, flags: frozenset[str] | None = None, halves: bool | None = None) -> str:
@@ -142,15 +150,19 @@ def _int8_rows(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32):
     return q, scale
 
 
-def _dynamic_int8(linear: nn.Linear) -> nn.Module:
-    """fbgemm dynamic int8 (symmetric per-channel weights, activations quantized as they come, a scale per token).
+def _dynamic_int8(linear: nn.Linear, parts: int = 1) -> nn.Module:
+    """fbgemm dynamic int8 (symmetric per-channel weights, activations quantized as they come, a scale per token);
+    parts=2: each weight row as two int8 rows (Int8Linear).
 
     Quantized straight from bf16 in slices of rows: from_float() would first make an fp32 copy, 1.2 GB for the head.
     """
     q, scale = _int8_rows(linear.weight.detach())
+    if parts == 2:
+        q_off, scale_off = _int8_rows(linear.weight.detach().float() - q * scale[:, None])
+        q, scale = torch.cat([q, q_off]), torch.cat([scale, scale_off])
     # In pieces, which fbgemm packs 2-2.5x faster per value; the engine settles them once it serves.
     return Int8Linear(q, scale, None if linear.bias is None else linear.bias.detach().float(),
-                      rows=max(1, PIECE // q.shape[1]))
+                      rows=max(1, PIECE // q.shape[1]), parts=parts)
 
 
 # torch 2.13 deprecates quantized dtypes (pytorch#184982), which fbgemm's linear still takes, and says so at every
@@ -211,26 +223,30 @@ class Int8Linear(_Apart):
     channels fixed in advance: no search per call). Three small ops a call, in linears that have any.
 
     `w8a14` (two_part) feeds each decode row as two rows, whose 7 bits each make 14 (_two_part).
+
+    parts=2 holds each weight row as two int8 rows: its levels, then what they rounded off in levels of its own (the
+    first text layers', TWO_PART_LAYERS). One fbgemm call reads both, and the output is their sum.
     """
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None,
-                 pack=map):
-        """values: the int8 weight (out x in), scale: each row's. pack: map, or a pool's map to pack the pieces side by
-        side."""
+                 pack=map, parts: int = 1):
+        """values: the int8 weight (out x in; with parts=2, the rows' levels and then what they rounded off: 2 out x
+        in), scale: each of its rows'. pack: map, or a pool's map to pack the pieces side by side."""
         super().__init__()
-        self.out_features, self.in_features = values.shape
-        self.rows = min(rows or self.out_features, self.out_features)  # in each loaded piece (the last may have fewer)
+        stored, self.in_features = values.shape
+        self.out_features, self.weight_parts = stored // parts, parts
+        self.rows = min(rows or stored, stored)  # in each loaded piece (the last may have fewer)
         # Packed at scale 1, without the bias: the rows' scales and the bias are applied to fbgemm's output.
-        self.parts = list(pack(_pack, [values[i:i + self.rows] for i in range(0, self.out_features, self.rows)]))
+        self.parts = list(pack(_pack, [values[i:i + self.rows] for i in range(0, stored, self.rows)]))
         self.register_buffer("scale", scale.float().contiguous())  # float32: what fbgemm's own per-row scales are
         self.merged = 0  # leading parts that settle() has made, or found, final
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.two_part = False  # w8a14 (in_two_parts): each input row fed as two, for 14 bits instead of 7
 
     def weight(self) -> torch.Tensor:
-        """The per-channel torch.qint8 weight (a copy)."""
+        """The per-channel torch.qint8 weight as stored (with parts=2, both parts' rows; a copy)."""
         return torch._make_per_channel_quantized_tensor(torch.cat(list(self.pieces())), self.scale.double(),
-                                                        torch.zeros(self.out_features, dtype=torch.long), 0)
+                                                        torch.zeros(len(self.scale), dtype=torch.long), 0)
 
     def pieces(self):
         """The int8 values a piece at a time, unpacked as asked for (copies), their rows in order."""
@@ -259,6 +275,9 @@ class Int8Linear(_Apart):
         else:
             peak = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny)
             y = self._matmul(x / peak).mul_(peak)
+        if self.weight_parts == 2:
+            levels, rounded_off = y.split(self.out_features, -1)
+            y = levels + rounded_off
         if self.apart is not None:
             y = self._add_apart(y, loud)
         return y if self.bias is None else y + self.bias
@@ -288,7 +307,7 @@ class Int8Linear(_Apart):
             parts, levels = self._split(rows)
             y = self._fbgemm(parts, _whole_numbers)
             y = y[:len(rows)].add_(y[len(rows):], alpha=1 / 126).mul_(levels).mul_(self.scale)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], -1)
 
     @staticmethod
     def _split(rows):
@@ -304,7 +323,8 @@ class Int8Linear(_Apart):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"pieces={len(self.parts)}, apart={0 if self.apart is None else len(self.apart)}")
+                f"pieces={len(self.parts)}, apart={0 if self.apart is None else len(self.apart)}, "
+                f"weight_parts={self.weight_parts}")
 
 
 # Up to this many rows torch's int8 weight-only kernel wins; above, a bf16 GEMM on the weight converted to bf16 for
@@ -605,6 +625,11 @@ def _int8(name: str, linear: nn.Linear) -> nn.Module:
     return _dynamic_int8(linear)
 
 
+def _w8a14(name: str, linear: nn.Linear) -> nn.Module:
+    first = name.startswith(tuple(f"model.language_model.layers.{i}." for i in range(TWO_PART_LAYERS)))
+    return _dynamic_int8(linear, parts=2 if first else 1)
+
+
 def _int4(name: str, linear: nn.Linear) -> nn.Module:
     if name.startswith("model.visual."):  # the vision tower only ever prefills: fbgemm int8 is fastest there
         return _dynamic_int8(linear)
@@ -652,7 +677,7 @@ def load_model(source: str, mode: str, report=unreported) -> nn.Module:
         model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype).eval()
         lean.fuse(model)
         return model
-    convert = {"int8": _int8, "w8a14": _int8, "int4": _int4, "w8a16": _w8a16}[mode]
+    convert = {"int8": _int8, "w8a14": _w8a14, "int4": _int4, "w8a16": _w8a16}[mode]
     try:
         model = _load_converting(source, convert, report)
     except KeyError as e:  # a layout this loader does not know: convert after a whole bf16 load (more memory)

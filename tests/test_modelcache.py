@@ -52,12 +52,13 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
     store = ["--model-cache-dir", str(tmp_path / "models")]
     first = _start(tiny_dir, mode, *store)
     [name] = _files(tmp_path / "models")
-    assert len(converting) == 1 and name.startswith(f"{modelcache.STORED.get(mode, mode)}-")
+    assert len(converting) == 1 and name.startswith(f"{mode}-")
     assert name.endswith(".safetensors")
     assert f"converting the checkpoint to {mode}" in caplog.text  # the minutes of a first start are announced
     second = _start(tiny_dir, mode, *store)
     assert len(converting) == 1 and "from the model cache" in caplog.text  # read, not converted
     assert second.precision == first.precision and second.identity == first.identity
+    assert _weight_parts(second) == _weight_parts(first)  # w8a14's first layers: two int8 rows a weight row
     assert _answer(second) == _answer(first)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])  # more rows than DECODE_ROWS: int4's prefill twin
     with torch.inference_mode():
@@ -65,17 +66,21 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
             assert torch.equal(second.model(input_ids=rows).logits, first.model(input_ids=rows).logits)
 
 
+def _weight_parts(engine):
+    return {name: m.weight_parts for name, m in engine.model.named_modules() if isinstance(m, quant.Int8Linear)}
+
+
 @pytest.mark.parametrize("first, then", [("int8", "w8a14"), ("w8a14", "int8")])
-def test_int8_and_w8a14_share_one_kept_model_and_each_answers_as_its_own_conversion_does(tiny_dir, tmp_path, first,
-                                                                                      then, converting):
+def test_int8_and_w8a14_keep_a_model_each_since_w8a14_holds_its_first_layers_in_two_parts(tiny_dir, tmp_path, first,
+                                                                                       then, converting):
     store = ["--model-cache-dir", str(tmp_path / "models")]
     _start(tiny_dir, first, *store)
     switched = _start(tiny_dir, then, *store)
-    assert len(converting) == 1 and len(_files(tmp_path / "models")) == 1  # read, not converted, and one file
+    assert len(converting) == 2 and _files(tmp_path / "models") == sorted(
+        f"{mode}-{modelcache.weights_version(str(tiny_dir))}.safetensors" for mode in (first, then))
     assert switched.precision.startswith(then)
-    parts = {m.two_part for m in switched.model.modules() if isinstance(m, quant.Int8Linear)}
-    assert parts == ({False, True} if then == "w8a14" else {False})  # the text's decode rows in two, or none
-    assert _answer(switched) == _answer(_start(tiny_dir, then, "--no-model-cache"))
+    assert set(_weight_parts(switched).values()) == ({1, 2} if then == "w8a14" else {1})
+    assert _answer(_start(tiny_dir, then, *store)) == _answer(_start(tiny_dir, then, "--no-model-cache"))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/maps")

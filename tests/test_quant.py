@@ -196,6 +196,54 @@ def test_w8a14_splits_the_text_activations_and_leaves_the_vision_towers_prefill_
     assert any(name.startswith("model.visual.") for name in split) and "lm_head" in split
 
 
+@pytest.mark.parametrize("rows", [1, quant.DECODE_ROWS, 40])  # decode rows (w8a14's two parts), a prompt
+def test_weights_in_two_int8_parts_compute_as_the_two_linears_of_their_parts_would(rows, kernels):
+    """parts=2: each weight row as its int8 levels and what they rounded off, each part with its own row scales, in
+    one fbgemm call whose two halves are summed: the output of the two parts' own linears, and as the float
+    weights' over 20x nearer than one part where the activations keep 14 bits (w8a14's decode rows)."""
+    torch.manual_seed(0)
+    float_linear = torch.nn.Linear(256, 64, bias=True)
+    one, two = quant._dynamic_int8(float_linear), quant._dynamic_int8(float_linear, parts=2)
+    assert two.weight_parts == 2 and two.out_features == 64 and len(two.scale) == 128
+    values = torch.cat(list(two.pieces()))
+    levels = quant.Int8Linear(values[:64], two.scale[:64], two.bias)
+    rounded_off = quant.Int8Linear(values[64:], two.scale[64:], None)
+    assert torch.equal(levels.weight().int_repr(), one.weight().int_repr())
+    for linear in (one, two, levels, rounded_off):
+        linear.two_part = True
+    x = torch.randn(1, rows, 256)
+    x[0, 0] *= 100  # each row has its own peak
+    with torch.no_grad():
+        want = float_linear(x)
+    assert torch.allclose(two(x), levels(x) + rounded_off(x), rtol=1e-5, atol=1e-5)
+    if rows <= quant.DECODE_ROWS:
+        assert (two(x) - want).norm() < (one(x) - want).norm() / 20  # ~38x: the 14-bit activations remain
+    assert set(kernels[1]) == ({"in_two_parts"} if kernels[0] == "jit" and rows <= quant.DECODE_ROWS else set())
+
+
+def test_w8a14_keeps_the_first_text_layers_weights_in_two_parts_which_brings_its_logits_nearer_fp32s(tiny_dir,
+                                                                                                    monkeypatch):
+    """An error in the first layers runs through every layer after them (the 2B's text logits, quant.TWO_PART_LAYERS:
+    21.3 -> 28.3 dB with two of its 28 layers so kept); int8 keeps one part (its 7-bit activations cost it more)."""
+    ids = torch.randint(0, 256, (1, quant.DECODE_ROWS), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = quant.load_model(str(tiny_dir), "fp32")(input_ids=ids).logits
+
+        def error(mode):
+            model = quant.load_model(str(tiny_dir), mode)
+            parts = {name: m.weight_parts for name, m in model.named_modules() if isinstance(m, quant.Int8Linear)}
+            return (model(input_ids=ids).logits - want).norm().item(), parts
+
+        kept, parts = error("w8a14")
+        first = tuple(f"model.language_model.layers.{i}." for i in range(quant.TWO_PART_LAYERS))
+        assert {name for name, n in parts.items() if n == 2} == {name for name in parts if name.startswith(first)}
+        assert any(name.startswith(first) for name in parts) and parts["lm_head"] == 1  # the tiny's 2 layers
+        assert set(error("int8")[1].values()) == {1}
+        monkeypatch.setattr(quant, "TWO_PART_LAYERS", 0)
+        one_part, parts = error("w8a14")
+        assert set(parts.values()) == {1} and kept < one_part / 1.4  # 5.4 dB nearer on the tiny model
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40])  # a decode step; a prompt (w8a16: its bf16 GEMM above W8A16_ROWS)
 @pytest.mark.parametrize("kind", ["int8", "w8a16", "w8a14"])
 def test_loud_channels_are_computed_apart_against_the_checkpoints_weights(kind, rows):
