@@ -422,7 +422,9 @@ def _onednn_int8(linear: torch.nn.Linear):
 # against fp32. The int4 and int8 weight-only kernels take bf16 activations (fast where the CPU has bf16 dot products).
 LINEAR_WAYS = {
     "int8, a scale per token, loud channels apart (`int8`)": lambda m, x: m.apart(x),
-    "int8, activations in two parts, loud channels apart (`w8a14`'s decode)": lambda m, x: _in_two_parts(m.apart, x),
+    "int8, activations in two parts, loud channels apart": lambda m, x: _in_two_parts(m.apart, x),
+    "the same, the first text layers' weights in two parts (`w8a14`'s decode)":
+        lambda m, x: _in_two_parts(m.first or m.apart, x),
     "int8, a scale per token": lambda m, x: m.int8(x),
     "int8, one scale per call": lambda m, x: m.int8._matmul(x),  # fbgemm's own call, as qvl had it
     "int8 weights, fp32 activations": lambda m, x: torch.nn.functional.linear(x, m.int8.weight().dequantize()),
@@ -445,12 +447,14 @@ def _in_two_parts(linear: quant.Int8Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Ways(torch.nn.Module):
-    """A text linear of the fp32 model that computes the way `way` names (None: as it is)."""
+    """A text linear of the fp32 model that computes the way `way` names (None: as it is); `first`: one of the text
+    layers whose weights w8a14 keeps in two parts."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, first: bool):
         super().__init__()
         self.linear, self.int8, self.way = linear, quant._dynamic_int8(linear), None
-        self.apart = quant._dynamic_int8(linear)  # these two get their loud channels apart in linears()
+        # These three get their loud channels apart in linears().
+        self.apart, self.first = quant._dynamic_int8(linear), quant._dynamic_int8(linear, parts=2) if first else None
         self.w8a16_apart = quant.Int8WeightOnly.quantize(linear)
         self.int4 = quant.Int4Linear.quantize(linear, prefill=False)  # int4 for every row count, as it decodes
         self.w8a16 = quant.Int8WeightOnly.quantize(linear)
@@ -467,10 +471,10 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
     columns, rotations) can reach with these int8 weights; bf16 is what the issue's target is set against.
     """
     model = quant.load_model(folder, "fp32")
-    ways = {}
+    ways, first = {}, tuple(f"model.language_model.layers.{i}." for i in range(quant.TWO_PART_LAYERS))
     for name, module in list(model.named_modules()):
         if isinstance(module, torch.nn.Linear) and not name.startswith("model.visual."):
-            ways[name] = _Ways(module)
+            ways[name] = _Ways(module, name.startswith(first))
             quant.swap(model, name, ways[name])
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
 
@@ -484,8 +488,9 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
         module.way = next(iter(LINEAR_WAYS))
     loud = quant.loud_channels(model, folder, {name: module.apart for name, module in ways.items()})
     for name, columns in quant.checkpoint_columns(model, folder, loud).items():
-        ways[name].apart.set_apart(loud[name], columns)
-        ways[name].w8a16_apart.set_apart(loud[name], columns)
+        for linear in (ways[name].apart, ways[name].first, ways[name].w8a16_apart):
+            if linear is not None:
+                linear.set_apart(loud[name], columns)
 
     reference = logits(None)
     return [{"way": way, **fidelity(logits(way), reference)} for way in LINEAR_WAYS]
