@@ -418,82 +418,86 @@ def _onednn_int8(linear: torch.nn.Linear):
         torch.backends.quantized.engine = engine
 
 
-# How --linears computes every text linear and the head (a _Ways: the fp32 linear and its quantized forms), each
-# against fp32. The int4 and int8 weight-only kernels take bf16 activations (fast where the CPU has bf16 dot products).
+# How --linears computes every text linear and the head, each way against fp32: (name, linear, loud) -> a module, where
+# loud is (channels, the checkpoint's columns for them) in linears that have loud channels, else None. The int4 and
+# int8 weight-only kernels take bf16 activations (fast where the CPU has bf16 dot products).
 LINEAR_WAYS = {
-    "int8, a scale per token, loud channels apart (`int8`)": lambda m, x: m.apart(x),
-    "int8, activations in two parts, loud channels apart": lambda m, x: _in_two_parts(m.apart, x),
-    "the same, the first text layers' weights in two parts (`w8a14`'s decode)":
-        lambda m, x: _in_two_parts(m.first or m.apart, x),
-    "int8, a scale per token": lambda m, x: m.int8(x),
-    "int8, one scale per call": lambda m, x: m.int8._matmul(x),  # fbgemm's own call, as qvl had it
-    "int8 weights, fp32 activations": lambda m, x: torch.nn.functional.linear(x, m.int8.weight().dequantize()),
-    "int8 weights, bf16 activations": lambda m, x: m.w8a16(x),
-    "int8 weights, bf16 activations, loud channels apart (`w8a16`)": lambda m, x: m.w8a16_apart(x),
-    f"int4 g{quant.GROUP} weights, bf16 activations": lambda m, x: m.int4(x),
-    "bf16": lambda m, x: torch.nn.functional.linear(x.bfloat16(), m.linear.weight.bfloat16()).float(),
+    "int8, a scale per token, loud channels apart (`int8`)": lambda name, linear, loud:
+        _apart(quant._dynamic_int8(linear), loud),
+    "int8, activations in two parts, loud channels apart": lambda name, linear, loud:
+        _decoding(_apart(quant._dynamic_int8(linear), loud)),
+    "the same, the first text layers' weights in two parts (`w8a14`'s decode)": lambda name, linear, loud:
+        _decoding(_apart(quant._w8a14(name, linear), loud)),
+    "int8, a scale per token": lambda name, linear, loud: quant._dynamic_int8(linear),
+    "int8, one scale per call": lambda name, linear, loud: _Call(quant._dynamic_int8(linear)._matmul),  # qvl's first
+    "int8 weights, fp32 activations": lambda name, linear, loud: _Call(
+        lambda x, weight=quant._dynamic_int8(linear).weight().dequantize(): torch.nn.functional.linear(x, weight)),
+    "int8 weights, bf16 activations": lambda name, linear, loud: quant.Int8WeightOnly.quantize(linear),
+    "int8 weights, bf16 activations, loud channels apart (`w8a16`)": lambda name, linear, loud:
+        _apart(quant.Int8WeightOnly.quantize(linear), loud),
+    f"int4 g{quant.GROUP} weights, bf16 activations": lambda name, linear, loud:
+        quant.Int4Linear.quantize(linear, prefill=False),  # int4 for every row count, as it decodes
+    "bf16": lambda name, linear, loud: _Call(
+        lambda x, weight=linear.weight.bfloat16(): torch.nn.functional.linear(x.bfloat16(), weight).float()),
 }
 
 
-def _in_two_parts(linear: quant.Int8Linear, x: torch.Tensor) -> torch.Tensor:
-    """linear (an int8 one) computing x as w8a14 decodes: each row in two parts. Rows are quantized each on its own,
-    so a prompt in decode-sized chunks is computed as decode steps compute it. The same linear as `int8`'s: a copy of
-    the 2B's int8 weights more did not fit beside the others in 24 GB."""
-    linear.two_part = True
-    try:
-        return torch.cat([linear(rows) for rows in x.split(quant.DECODE_ROWS, -2)], -2)
-    finally:
-        linear.two_part = False
+class _Call(torch.nn.Module):
+    """A module whose forward is a function."""
 
-
-class _Ways(torch.nn.Module):
-    """A text linear of the fp32 model that computes the way `way` names (None: as it is); `first`: one of the text
-    layers whose weights w8a14 keeps in two parts."""
-
-    def __init__(self, linear: torch.nn.Linear, first: bool):
+    def __init__(self, function):
         super().__init__()
-        self.linear, self.int8, self.way = linear, quant._dynamic_int8(linear), None
-        # These three get their loud channels apart in linears().
-        self.apart, self.first = quant._dynamic_int8(linear), quant._dynamic_int8(linear, parts=2) if first else None
-        self.w8a16_apart = quant.Int8WeightOnly.quantize(linear)
-        self.int4 = quant.Int4Linear.quantize(linear, prefill=False)  # int4 for every row count, as it decodes
-        self.w8a16 = quant.Int8WeightOnly.quantize(linear)
+        self.function = function
 
     def forward(self, x):
-        return self.linear(x) if self.way is None else LINEAR_WAYS[self.way](self, x)
+        return self.function(x)
+
+
+def _apart(linear, loud):
+    if loud is not None:
+        linear.set_apart(*loud)
+    return linear
+
+
+def _decoding(linear: quant.Int8Linear) -> torch.nn.Module:
+    """linear (an int8 one) computing each row in two parts, as w8a14 decodes: rows are quantized each on its own, so
+    a prompt in decode-sized chunks is computed as decode steps compute it."""
+    linear.two_part = True
+    return _Call(lambda x: torch.cat([linear(rows) for rows in x.split(quant.DECODE_ROWS, -2)], -2))
 
 
 def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
     """Fidelity of each of LINEAR_WAYS: teacher-forced logits of the last `kept` of `tokens` random byte tokens,
-    text only, with every text linear and the head computed that way, against the fp32 model's.
+    text only, with every text linear and the head computed that way, against the fp32 model's. One way's modules at
+    a time beside the fp32 model: the 2B's every way at once did not fit in 24 GB.
 
     int8 weights with fp32 activations bounds what any activation remedy (per-token or finer scales, outlier
     columns, rotations) can reach with these int8 weights; bf16 is what the issue's target is set against.
     """
     model = quant.load_model(folder, "fp32")
-    ways, first = {}, tuple(f"model.language_model.layers.{i}." for i in range(quant.TWO_PART_LAYERS))
-    for name, module in list(model.named_modules()):
-        if isinstance(module, torch.nn.Linear) and not name.startswith("model.visual."):
-            ways[name] = _Ways(module, name.startswith(first))
-            quant.swap(model, name, ways[name])
+    model.model.visual = None  # text only: 1.6 GB of the 2B's fp32 model
+    floats = {name: module for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and not name.startswith("model.visual.")}
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
 
-    def logits(way):
-        for module in ways.values():
-            module.way = way
+    def logits():
         with torch.inference_mode():
             return model(input_ids=ids, logits_to_keep=kept).logits[0].float()
 
-    for module in ways.values():  # calibrated as a conversion calibrates: through the quantized linears
-        module.way = next(iter(LINEAR_WAYS))
-    loud = quant.loud_channels(model, folder, {name: module.apart for name, module in ways.items()})
-    for name, columns in quant.checkpoint_columns(model, folder, loud).items():
-        for linear in (ways[name].apart, ways[name].first, ways[name].w8a16_apart):
-            if linear is not None:
-                linear.set_apart(loud[name], columns)
+    def computing(way, loud):
+        for name, linear in floats.items():
+            quant.swap(model, name, LINEAR_WAYS[way](name, linear, loud.get(name)))
 
-    reference = logits(None)
-    return [{"way": way, **fidelity(logits(way), reference)} for way in LINEAR_WAYS]
+    reference = logits()
+    computing("int8, a scale per token", {})  # calibrated as a conversion calibrates: through the quantized linears
+    channels = quant.loud_channels(model, folder, {name: model.get_submodule(name) for name in floats})
+    loud = {name: (channels[name], columns)
+            for name, columns in quant.checkpoint_columns(model, folder, channels).items()}
+    rows = []
+    for way in LINEAR_WAYS:
+        computing(way, loud)
+        rows.append({"way": way, **fidelity(logits(), reference)})
+    return rows
 
 
 def process_age() -> float:
