@@ -476,8 +476,7 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
     """
     model = quant.load_model(folder, "fp32")
     model.model.visual = None  # text only: 1.6 GB of the 2B's fp32 model
-    floats = {name: module for name, module in model.named_modules()
-              if isinstance(module, torch.nn.Linear) and not name.startswith("model.visual.")}
+    floats = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
 
     def logits():
