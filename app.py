@@ -3,6 +3,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 
 from qvl import cpu, heap, settings  # light: --help and a flag error answer before torch and gradio load (seconds)
@@ -12,6 +13,36 @@ log = logging.getLogger("qvl")
 
 def main():
     config = settings.parse()
+    with own_temp_dir():  # before gradio is imported: it reads GRADIO_TEMP_DIR then
+        stopped = run(config)
+    if not stopped:  # Ctrl+C or SIGTERM while the weights load: nothing to save, and no point to stop the load at
+        log.info("exiting while the model loads")
+        logging.shutdown()
+        os._exit(0)
+
+
+def own_temp_dir() -> tempfile.TemporaryDirectory:
+    """Gradio's folder for uploads and example pictures, this process's own: a fresh one inside GRADIO_TEMP_DIR (or
+    the system's temporary folder), removed with everything in it when the process exits.
+
+    Gradio names a file there by its content alone, and an app that stops deletes the files it put there, so in a
+    folder shared by several apps one app's stop deleted another's uploads and examples. A folder left by a killed
+    process stays, for the system's own clean-up: no process can be sure that another folder's owner is gone (a
+    container sharing the volume has its own process ids), and deleting a live app's files is what this prevents.
+    """
+    base = os.environ.get("GRADIO_TEMP_DIR") or tempfile.gettempdir()
+    try:
+        os.makedirs(base, exist_ok=True)
+        own = tempfile.TemporaryDirectory(prefix=f"qvl-{os.getpid()}-", dir=base, ignore_cleanup_errors=True)
+    except OSError as e:
+        sys.exit(f"qvl cannot make its folder for uploads in {base} ({e.strerror}): set GRADIO_TEMP_DIR to a "
+                 "writable folder.")
+    os.environ["GRADIO_TEMP_DIR"] = own.name
+    return own
+
+
+def run(config) -> bool:
+    """Load, serve until Ctrl+C or SIGTERM, and stop; False when stopped while the weights load."""
     cpu.hold_collector()  # until the page is up
     heap.limit_arenas()  # before the model, the server and their threads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -39,10 +70,7 @@ def main():
         serve(engine, config)
     finally:
         stopped = engine.close()  # before the interpreter stops the thread pools that a background load may use
-    if not stopped:  # Ctrl+C or SIGTERM while the weights load: nothing to save, and no point to stop the load at
-        log.info("exiting while the model loads")
-        logging.shutdown()
-        os._exit(0)
+    return stopped
 
 
 def serve(engine, config):
