@@ -75,7 +75,7 @@ def run(config) -> bool:
 
 def serve(engine, config):
     """The page, the OpenAI API and the warm-up, until Ctrl+C or SIGTERM."""
-    from qvl import answers, cache, idle, openai_api, tool, ui
+    from qvl import answers, cache, doors, idle, openai_api, tool, ui
 
     answerer = answers.Answerer(engine, cache.AnswerCache(config.cache_dir, config.cache_size, enabled=config.cache),
                                 config)
@@ -88,8 +88,9 @@ def serve(engine, config):
         auth=settings.credentials(config.auth) or None, auth_message=ui.login_message(),
         max_file_size=ui.upload_ceiling(config), state_session_capacity=config.max_sessions, mcp_server=config.mcp,
         quiet=True, prevent_thread_lock=True, **ui.page_assets(),
-        # The OpenAI API on the same port; routes given to the app first are matched before Gradio's own.
-        app_kwargs={"routes": openai_api.routes(answerer, config)},
+        # The OpenAI API on the same port; routes given to the app first are matched before Gradio's own. With
+        # --api-key and no --auth, the key guards every door.
+        app_kwargs={"routes": openai_api.routes(answerer, config), "middleware": doors.guard(config)},
     )
     cpu.release_collector()  # the imports are done
     # The page serves at once and says it is warming up; questions asked meanwhile wait in line for the engine.

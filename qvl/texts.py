@@ -80,14 +80,17 @@ TEXT = {
         "picture": "image", "pictures": "images",
         # The OpenAI-compatible API's own refusals.
         "api_key": "A valid API key is required: send it as the header 'Authorization: Bearer <key>'.",
+        "page_needs_auth": "This server was started with an API key and no logins, so it serves only programs that send "
+                           "the key; its page is not offered to visitors. To offer it, its operator adds --auth "
+                           "user:password, and visitors sign in.",
         "not_ready": "The model is still loading or warming up ({now}); please try again shortly (Retry-After "
                      "says when).",
         "bad_field": "The request's '{field}' is missing or not valid.",
-        "image_url_off": "This server does not download images from links; send the image itself as a data: URL "
-                         "(data:image/png;base64,…).",
+        "image_url_off": "This server does not download images from links; send the image itself: a file, or a "
+                         "data: URL (data:image/png;base64,…).",
         "image_url_blocked": "{host} is a local or private address; images are downloaded only from public addresses.",
-        "image_url_failed": "Could not download the image from {host}; check the link, or send the image itself as a "
-                            "data: URL.",
+        "image_url_failed": "Could not download the image from {host}; check the link, or send the image itself: a "
+                            "file, or a data: URL.",
         # A remote engine (--backend) that did not answer.
         "backend_unreachable": "The model server cannot be reached right now. Please try again shortly.",
         "backend_timeout": "The model server did not answer in time. Please try again shortly.",
@@ -161,11 +164,13 @@ TEXT = {
         "image_share": "（其中 {tokens} 个用于 {count} 张{pictures}）",
         "picture": "图片", "pictures": "图片",
         "api_key": "需要有效的 API 密钥：请在请求头中发送 'Authorization: Bearer <密钥>'。",
+        "page_needs_auth": "本服务器以 API 密钥启动且未设登录，只为发送密钥的程序服务，不向访客提供页面。"
+                           "如要提供页面，运营者需加上 --auth 用户名:密码，访客登录后使用。",
         "not_ready": "模型仍在加载或预热（{now}），请稍后再试（Retry-After 给出等待秒数）。",
         "bad_field": "请求中的 '{field}' 缺失或无效。",
-        "image_url_off": "本服务器不从链接下载图片；请把图片本身作为 data: URL 发送（data:image/png;base64,…）。",
+        "image_url_off": "本服务器不从链接下载图片；请发送图片本身：文件，或 data: URL（data:image/png;base64,…）。",
         "image_url_blocked": "{host} 是本地或内网地址；只从公网地址下载图片。",
-        "image_url_failed": "无法从 {host} 下载图片；请检查链接，或把图片本身作为 data: URL 发送。",
+        "image_url_failed": "无法从 {host} 下载图片；请检查链接，或发送图片本身：文件，或 data: URL。",
         "backend_unreachable": "暂时无法连接模型服务器，请稍后再试。",
         "backend_timeout": "模型服务器没有及时回答，请稍后再试。",
         "backend_cut": "模型服务器在回答中途中断了，请重试。",
