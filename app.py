@@ -57,15 +57,15 @@ def run(config) -> bool:
     if config.backend:  # a model server elsewhere answers: no torch here
         from qvl.remote import RemoteEngine
 
-        engine = RemoteEngine(config)
+        engine = RemoteEngine(config)  # which logs its model once the backend names it
     else:
         from qvl.engine import Engine
 
         engine = Engine(config, ahead, background=True)  # the page serves while the weights load
+        log.info("model %s, %s, %d threads", engine.model_id, engine.precision, engine.threads)
     if engine.fallback:
         log.warning("\n%s\n!! OFFLINE FALLBACK: %s\n!! The tiny random model answers; its answers are gibberish.\n%s",
                     "!" * 100, engine.fallback, "!" * 100)
-    log.info("model %s, %s, %d threads", engine.model_id, engine.precision, engine.threads)
     try:
         serve(engine, config)
     finally:

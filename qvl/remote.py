@@ -37,6 +37,7 @@ class RemoteEngine:
                                  timeout=httpx.Timeout(settings.backend_timeout, connect=10.0))
         self.model = settings.backend_model
         self.ready = threading.Event()
+        log.info("backend %s, model %s", self.url, self.model or "not known yet (asked at warm-up)")
 
     @property
     def model_id(self) -> str:
@@ -67,7 +68,6 @@ class RemoteEngine:
         tries again and says so)."""
         try:
             self._resolve()
-            log.info("backend %s serves %s", self.url, self.model)
         except EngineError as e:
             log.warning("backend %s: %s; requests will try again", self.url, e)
         finally:
@@ -78,12 +78,14 @@ class RemoteEngine:
         return None if self.ready.is_set() else ("connecting", None)
 
     def _resolve(self):
+        """Ask the backend for its model's name, if not known yet (warm-up, or the first request after a failed one)."""
         if self.model is None:
             models = self._call(lambda: self.http.get(self.url + "/models"))
             try:
                 self.model = models.json()["data"][0]["id"]
             except (ValueError, KeyError, IndexError, TypeError):
                 raise EngineError("backend_failed", "no model listed", status=models.status_code) from None
+            log.info("backend %s serves %s", self.url, self.model)
 
     def _call(self, send) -> httpx.Response:
         """send() -> its response, 200 or one of the errors the user reads."""

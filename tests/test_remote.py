@@ -1,5 +1,6 @@
 """A qvl that fronts another (--backend): two app processes, the second answering through the first's OpenAI API;
 and what the remote engine says while it starts."""
+import logging
 import re
 import shlex
 import threading
@@ -63,6 +64,8 @@ def test_a_second_app_fronts_the_first_caches_its_answers_and_outlives_it(launch
                 if line.startswith("import time")}
     assert "gradio" in imported and not {"torch", "transformers"} & imported
     assert "answer failed" not in second.log.read_text()  # a gone backend is no fault of the app's: no traceback
+    named = re.search(r"backend \S+ serves (\S+)", second.log.read_text())  # learned at its warm-up
+    assert named and named[1] != "?" and "model ?" not in second.log.read_text()
 
 
 def ended(runs: list[dict], timeout: float = 60) -> dict:
@@ -107,3 +110,14 @@ def test_until_the_backend_names_its_model_the_banner_says_it_is_asking(monkeypa
     answer.set()
     warming.join(10)
     assert engine.progress() is None and engine.model_id == "served-model"
+
+
+def test_the_log_names_the_backends_model_once_the_backend_has_named_it(caplog):
+    caplog.set_level(logging.INFO, "qvl")
+    engine = RemoteEngine(settings.parse(["--backend", "http://backend.test/v1"], env={}))
+    assert "backend http://backend.test/v1, model not known yet (asked at warm-up)" in caplog.text
+    engine.http.close()
+    engine.http = httpx.Client(transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, json={"data": [{"id": "served-model"}]})))
+    engine.warm_up([], "Hi")
+    assert "backend http://backend.test/v1 serves served-model" in caplog.text and "model ?" not in caplog.text
