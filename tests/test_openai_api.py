@@ -154,7 +154,7 @@ def test_an_image_link_to_this_machine_is_never_fetched(app):
 
 def test_the_readme_examples_run(app):
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Serving and scaling out"):readme.index("## Deploy to Hugging Face Spaces")]
+    section = readme[readme.index("### OpenAI chat API"):readme.index("### MCP")]
     start, python, curl = re.findall(r"```(?:bash|python)\n(.*?)```", section, re.S)[:3]
     assert start.strip() == f"QVL_API_KEY={KEY} python app.py"  # what the app fixture starts
     here = app.url.rstrip("/")
