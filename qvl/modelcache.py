@@ -37,6 +37,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import mmap
 import os
 import threading
@@ -94,6 +95,17 @@ def weights_version(folder: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def weight_count(folder: str) -> int:
+    """The checkpoint's number of weights, from its safetensors headers: what converting it takes time in proportion
+    to, from no time at all for the tiny fallback to a while on a few cores for the 2B."""
+    count = 0
+    for file in Path(folder).glob("*.safetensors"):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        count += sum(math.prod(meta["shape"]) for name, meta in header.items() if name != "__metadata__")
+    return count
+
+
 def key(weights: str, mode: str) -> dict[str, str]:
     return {"weights": weights, "mode": mode, "layout": LAYOUT, "torch": torch.__version__}
 
@@ -146,7 +158,8 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
         except Exception as e:  # anything amiss with the file means only that it must be built again
             log.warning("ignoring the model cache file %s (%s: %s); converting the checkpoint again",
                         file, type(e).__name__, str(e)[:200])
-    log.info("converting the checkpoint to %s: minutes on a few cores, once (later starts read %s)", mode, file)
+    log.info("converting the checkpoint to %s (%s weights), once: later starts read %s", mode,
+             f"{weight_count(source):,}", file)
     model = quant.load_model(source, mode, report)
 
     def keep(go_on):

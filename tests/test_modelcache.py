@@ -11,6 +11,7 @@ import zlib
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from qvl import modelcache, quant, settings
 from qvl.engine import Engine, Turn
@@ -54,7 +55,7 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
     [name] = _files(tmp_path / "models")
     assert len(converting) == 1 and name.startswith(f"{mode}-")
     assert name.endswith(".safetensors")
-    assert f"converting the checkpoint to {mode}" in caplog.text  # the minutes of a first start are announced
+    assert f"converting the checkpoint to {mode}" in caplog.text  # a first start says it converts
     second = _start(tiny_dir, mode, *store)
     assert len(converting) == 1 and "from the model cache" in caplog.text  # read, not converted
     assert second.precision == first.precision and second.identity == first.identity
@@ -64,6 +65,15 @@ def test_a_second_start_loads_the_kept_model_and_answers_the_same(tiny_dir, tmp_
     with torch.inference_mode():
         for rows in (ids[:, :1], ids):
             assert torch.equal(second.model(input_ids=rows).logits, first.model(input_ids=rows).logits)
+
+
+def test_a_first_start_announces_how_many_weights_it_converts_not_how_long(tiny_dir, tmp_path, caplog):
+    caplog.set_level(logging.INFO, "qvl")
+    _start(tiny_dir, "int8", "--model-cache-dir", str(tmp_path))
+    with safe_open(tiny_dir / "model.safetensors", "pt") as f:
+        weights = sum(torch.Size(f.get_slice(name).get_shape()).numel() for name in f.keys())
+    assert f"converting the checkpoint to int8 ({weights:,} weights)" in caplog.text
+    assert "minutes" not in caplog.text  # the tiny model converts in no time
 
 
 def _weight_parts(engine):
