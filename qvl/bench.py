@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -53,6 +54,7 @@ NEW_TOKENS = 64
 FOLLOW_UP = "What is on top?"  # 15 tokens with the random-weight checkpoint's byte tokenizer
 SEEN_IMAGE = "Which colours are in this picture?"
 SCENARIOS = ("follow-up", "seen-image", "regenerate")
+SCENARIO_TOKENS = 16  # each scenario's answer: its logits are where reuse and cold are compared with fp32's
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
@@ -302,22 +304,49 @@ def teacher_forced_logits(model, inputs: dict, answer: list[int]) -> torch.Tenso
             decoder.close()
 
 
-def scenarios(engine, names, params) -> list[dict]:
-    """Each named scenario's request timed after its set-up, then cold; only the first tokens are generated."""
-    first = Turn("user", QUESTION, (photo(),))
-    short = dataclasses.replace(params, max_new_tokens=4, min_new_tokens=4)
-    out = []
+def forced_chat(engine, turns: list[Turn], answer: list[int] | None, tokens: int) -> tuple:
+    """Engine.chat answering turns, conversation memory and all, with answer's tokens whatever it would pick (None:
+    its greedy picks, `tokens` of them): the logits each token was picked from, the Stats and the tokens."""
+    rows, picked = [], []
+
+    def pick(logits, params, rng):
+        rows.append(logits.float().clone())
+        picked.append(int(logits.argmax()) if answer is None else answer[len(rows) - 1])
+        return picked[-1]
+
+    n = tokens if answer is None else len(answer)
+    params = settings.GenParams(greedy=True, max_new_tokens=n, max_image_tokens=320)  # min_new_tokens masks EOS: -inf
+    with mock.patch.object(generate, "_pick", pick):
+        *_, stats = engine.chat(turns, params)
+    return torch.stack(rows), stats, picked
+
+
+def scenarios(engine, names, first: list[int], references: dict | None = None) -> tuple[list[dict], dict]:
+    """Each named scenario's request after its set-up (the standard request, answered with the tokens first), then
+    the same request cold, everything kept forgotten: both answer the same SCENARIO_TOKENS tokens, so their times to
+    first token and their logits compare. references, the fp32 row's {name: {"ids", "logits"}} computed cold, fix
+    those tokens and give each way its SQNR against fp32; without them the reused request's greedy picks are taken.
+    Returns the rows and this engine's own cold {name: {"ids", "logits"}}, references for the other rows."""
+    request = Turn("user", QUESTION, (photo(),))
+    said = engine.processor.tokenizer.decode(first, skip_special_tokens=True)
+    out, mine = [], {}
     for name in names:
+        turns = {"follow-up": [request, Turn("assistant", said), Turn("user", FOLLOW_UP)],
+                 "seen-image": [Turn("user", SEEN_IMAGE, (photo(),))], "regenerate": [request]}[name]
+        reference = (references or {}).get(name)
         engine.forget()
-        *pieces, _ = engine.chat([first], params)
-        turns = {"follow-up": [first, Turn("assistant", "".join(pieces)), Turn("user", FOLLOW_UP)],
-                 "seen-image": [Turn("user", SEEN_IMAGE, (photo(),))], "regenerate": [first]}[name]
-        warm = list(engine.chat(turns, short))[-1]
+        forced_chat(engine, [request], first, len(first))
+        warm_logits, warm, ids = forced_chat(engine, turns, reference and reference["ids"], SCENARIO_TOKENS)
         engine.forget()
-        cold = list(engine.chat(turns, short))[-1]
-        out.append({"name": name, "ttft_s": warm.ttft_s, "cold_ttft_s": cold.ttft_s,
-                    "reused_tokens": warm.reused_tokens, "cached_images": warm.cached_images})
-    return out
+        cold_logits, cold, _ = forced_chat(engine, turns, ids, SCENARIO_TOKENS)
+        mine[name] = {"ids": ids, "logits": cold_logits}
+        row = {"name": name, "ttft_s": warm.ttft_s, "cold_ttft_s": cold.ttft_s, "reused_tokens": warm.reused_tokens,
+               "cached_images": warm.cached_images, "cold_reused_tokens": cold.reused_tokens}
+        if reference is not None:
+            row["reuse_sqnr_db"] = fidelity(warm_logits, reference["logits"])["sqnr_db"]
+            row["cold_sqnr_db"] = fidelity(cold_logits, reference["logits"])["sqnr_db"]
+        out.append(row)
+    return out, mine
 
 
 def step_split(model, prompt_tokens: int, steps: int = 12) -> dict:
@@ -530,15 +559,19 @@ def child(args, ahead: modelcache.Reader | None):
         if i == 0:
             load_s = time.perf_counter() - start  # ready means warmed up: first-call costs belong to loading
     runs = runs[1:]
-    memory = scenarios(engine, args.scenarios.split(","), params) if args.scenarios else None
+    inputs, image_tokens = engine._inputs([turn], params)
+    reference = Path(args.reference)
+    ref = torch.load(reference) if reference.exists() and args.child != "fp32" else None
+    ids = ref["ids"] if ref else list(generate.stream(engine.model, inputs, params, threading.Event()))
+    memory, own = scenarios(engine, args.scenarios.split(","), ids, ref and ref["scenarios"]) if args.scenarios \
+        else (None, {})
     # What serving costs: taken before the fidelity pass, whose full-vocabulary logits are the bench's own load.
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-    inputs, image_tokens = engine._inputs([turn], params)
     split = step_split(engine.model, runs[0].prompt_tokens)
-    reference = Path(args.reference)
     if args.child == "fp32":
-        ids = list(generate.stream(engine.model, inputs, params, threading.Event()))
-        torch.save({"ids": ids, "logits": teacher_forced_logits(engine.model, inputs, ids)}, reference)
+        torch.save({"ids": ids, "logits": teacher_forced_logits(engine.model, inputs, ids), "scenarios": own},
+                   reference)
+        ref = torch.load(reference)
     row = {
         "name": args.child, "precision": engine.precision, "threads": engine.threads, "jit": jit.ready.is_set(),
         "ready_s": ready_s, "settled_s": settled_s, "load_s": load_s, "read_ahead": ahead is not None,
@@ -550,10 +583,8 @@ def child(args, ahead: modelcache.Reader | None):
     }
     if memory:
         row["scenarios"] = memory
-    if reference.exists():
-        ref = torch.load(reference)
-        logits = teacher_forced_logits(engine.model, inputs, ref["ids"])
-        row.update(fidelity(logits, ref["logits"]))
+    if ref:
+        row.update(fidelity(teacher_forced_logits(engine.model, inputs, ref["ids"]), ref["logits"]))
     row["peak_rss_gb"] = peak_rss_gb
     Path(args.out).write_text(json.dumps(row))
     shutil.rmtree(features, ignore_errors=True)
@@ -610,10 +641,11 @@ def table(rows: list[dict]) -> str:
     lines += ["| " + " | ".join(cell(r, k) for k in COLUMNS) + " |" for r in rows]
     memory = [(r["name"], s) for r in rows for s in r.get("scenarios", [])]
     if memory:
-        lines += ["", "| row | scenario | ttft_s | cold_ttft_s | ratio | reused_tokens | cached_images |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| row | scenario | ttft_s | cold_ttft_s | ratio | reused_tokens | cached_images | reuse_sqnr_db "
+                  "| cold_sqnr_db |", "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {row} | {s['name']} | {s['ttft_s']:.3g} | {s['cold_ttft_s']:.3g} | "
-                  f"{s['ttft_s'] / s['cold_ttft_s']:.3f}x | {s['reused_tokens']} | {s['cached_images']} |"
+                  f"{s['ttft_s'] / s['cold_ttft_s']:.3f}x | {s['reused_tokens']} | {s['cached_images']} | "
+                  + " | ".join(f"{s[k]:.3g}" if k in s else "-" for k in ("reuse_sqnr_db", "cold_sqnr_db")) + " |"
                   for row, s in memory]
     return "\n".join(lines)
 

@@ -54,14 +54,30 @@ def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path
 
 
 def test_memory_scenarios_reuse_and_time_the_same_request_cold(engine):
-    params = settings.GenParams(greedy=True, max_new_tokens=8, min_new_tokens=8)
-    results = bench.scenarios(engine, bench.SCENARIOS, params)
-    assert [r["name"] for r in results] == list(bench.SCENARIOS)
+    request = bench.Turn("user", bench.QUESTION, (bench.photo(),))
+    first = bench.forced_chat(engine, [request], None, 8)[2]
+    results, references = bench.scenarios(engine, bench.SCENARIOS, first)
+    assert [r["name"] for r in results] == list(bench.SCENARIOS) == list(references)
     for r in results:
-        assert set(r) == {"name", "ttft_s", "cold_ttft_s", "reused_tokens", "cached_images"}
-        assert r["ttft_s"] > 0 and r["cold_ttft_s"] > 0 and r["reused_tokens"] > 0
-    prompt = engine._inputs([bench.Turn("user", bench.QUESTION, (bench.photo(),))], params)[0]["input_ids"].shape[1]
+        assert r["ttft_s"] > 0 and r["cold_ttft_s"] > 0 and r["reused_tokens"] > 0 and r["cold_reused_tokens"] == 0
+        assert "reuse_sqnr_db" not in r  # nothing to compare with: these are the references
+    params = settings.GenParams(max_image_tokens=320)
+    prompt = engine._inputs([request], params)[0]["input_ids"].shape[1]
     assert results[-1]["reused_tokens"] == prompt - 1  # Regenerate: all but the last prompt token
+    # Given references, each scenario answers their tokens, and fp32 against itself, reuse included, is exact.
+    again, _ = bench.scenarios(engine, bench.SCENARIOS, first, references)
+    for r in again:
+        assert r["cold_sqnr_db"] == math.inf and r["reuse_sqnr_db"] > 60
+
+
+def test_forced_chat_answers_the_given_tokens_and_records_what_it_would_have_picked(engine):
+    turns = [bench.Turn("user", "Hello!")]
+    logits, stats, greedy = bench.forced_chat(engine, turns, None, 6)
+    forced = [greedy[0], *(t + 1 for t in greedy[1:])]  # from the second token on, not what it would pick
+    again, stats, ids = bench.forced_chat(engine, turns, forced, 6)
+    assert ids == forced and stats.new_tokens == 6 and logits.shape == again.shape == (6, logits.shape[1])
+    assert torch.allclose(again[:2], logits[:2], atol=1e-5)  # the same prefix, the same logits
+    assert not torch.allclose(again[2:], logits[2:], atol=1e-3)  # fed other tokens, it predicts otherwise
 
 
 def test_step_overhead_is_the_step_without_its_matmuls_and_leaves_the_model_as_it_was(engine, kernels, monkeypatch):
