@@ -124,7 +124,7 @@ class Engine:
         self.folder = _local_copy(source)
         self.processor = ImageOnlyProcessor.from_pretrained(self.folder, backend="pil")
         self.weights = modelcache.weights_version(self.folder)
-        mode = quant.resolve(self.settings.quant)
+        self.mode = mode = quant.resolve(self.settings.quant)
         if mode in ("bf16", "w8a16") and not quant.native_bf16():  # said on every start, converting or not
             log.warning("--quant %s on a CPU without bf16 instructions: its bf16 matmuls are emulated, several times "
                         "slower than int8 (what auto picks here)", mode)
@@ -370,7 +370,8 @@ class Engine:
             self._stop.clear()
             prefill, prompt, reused, cached = self._prefill(inputs, params.max_new_tokens)
             ids, sent, first, failed = [], "", None, False
-            tokens = generate.stream(self.model, prefill, params, self._stop)
+            tokens = generate.stream(self.model, prefill, params, self._stop,
+                                     keep_answer=self.mode not in quant.PROMPT_TWINS)
             try:
                 for token in tokens:
                     first = first or time.perf_counter()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from qvl import lean
+from qvl import lean, quant
 from qvl.settings import GenParams
 
 
@@ -37,15 +37,20 @@ def _pick(logits: torch.Tensor, params: GenParams, rng: torch.Generator) -> int:
 
 @torch.inference_mode()
 def _forward(model, **inputs):
-    # Only the last position's logits are needed: skipping the rest saves a vocab-sized matmul per prompt token.
-    return model(**inputs, use_cache=True, logits_to_keep=1)
+    """The prompt's prefill, on the prompt's kernels (quant.prompting) however few its tokens."""
+    prompting = quant.prompting.set(True)
+    try:
+        # Only the last position's logits are needed: skipping the rest saves a vocab-sized matmul per prompt token.
+        return model(**inputs, use_cache=True, logits_to_keep=1)
+    finally:
+        quant.prompting.reset(prompting)
 
 
-def stream(model, inputs: dict, params: GenParams, stop: threading.Event) -> Iterator[int]:
+def stream(model, inputs: dict, params: GenParams, stop: threading.Event, keep_answer: bool = True) -> Iterator[int]:
     """Yield new token ids one by one. Setting stop, or closing the iterator, ends generation before the next step.
 
     The prompt's cache (inputs["cache"], or a new one) holds, once the iterator is done or closed, the prompt and
-    every token fed back.
+    every token fed back (the prompt alone without keep_answer).
     """
     eos = _eos_ids(model)
     rng = torch.Generator().manual_seed(params.seed)
@@ -62,4 +67,4 @@ def stream(model, inputs: dict, params: GenParams, stop: threading.Event) -> Ite
                 return
             logits = decoder.step(token)
     finally:
-        decoder.close()
+        decoder.close(keep_answer)

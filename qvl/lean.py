@@ -166,7 +166,7 @@ class Decoder:
 
     def __init__(self, model: nn.Module, cache: DynamicCache, room: int):
         self.model, self.text, self.cache = model, model.model.language_model, cache
-        self.n = cache.get_seq_length()
+        self.prompt = self.n = cache.get_seq_length()
         self.delta = int(model.model.rope_deltas.reshape(-1)[0]) if model.model.rope_deltas is not None else 0
         self.qk_weights = [layer.self_attn.qk_weight() for layer in self.text.layers]
         self.keys, self.values = [], []
@@ -191,8 +191,10 @@ class Decoder:
         self.n += 1
         return self.model.lm_head(_norm(self.text.norm, x))[0, -1]
 
-    def close(self):
+    def close(self, keep_decoded: bool = True):
+        """Hand the cache back with every position (or, keep_decoded=False, the prompt's alone)."""
+        n = self.n if keep_decoded else self.prompt
         for i, layer in enumerate(self.cache.layers):
             if self.keys[i] is not None:
-                layer.keys, self.keys[i] = self.keys[i][:, :, :self.n].clone(), None
-                layer.values, self.values[i] = self.values[i][:, :, :self.n].clone(), None
+                layer.keys, self.keys[i] = self.keys[i][:, :, :n].clone(), None
+                layer.values, self.values[i] = self.values[i][:, :, :n].clone(), None

@@ -30,6 +30,7 @@ transformers (and qvl.lean, built on it) is imported where a model is built, not
 read-ahead imports this module for its linears, to pack stored weights while transformers is still importing.
 """
 import collections
+import contextvars
 import functools
 import json
 import logging
@@ -47,6 +48,13 @@ log = logging.getLogger("qvl")
 GROUP = 128  # int4 scale/zero group: 32 gains little accuracy on these weights and decodes 40% slower
 EMBEDDING = "model.language_model.embed_tokens"  # the token table, kept as a Bf16Embedding
 DECODE_ROWS = 8  # up to this many rows the int4 kernel is bandwidth-bound and wins; above, int8 compute wins
+# Set while a prompt is prefilled: int4 then takes its int8 twin however few the rows, so that the part of a prompt
+# left after a kept prefix (Regenerate's one token) is computed on the weights a whole prompt's tokens are. w8a14's
+# few-row split stays: it is nearer fp32 than a prompt's rows, and conversation memory only has to be no farther.
+prompting = contextvars.ContextVar("prompting", default=False)
+# Modes whose decode steps read other weights than their prompts (int4's prompts run on int8 twins): a position they
+# decoded is not what a prompt computes there, so conversation memory keeps only what their prompts computed.
+PROMPT_TWINS = frozenset({"int4"})
 # w8a14 keeps the first text layers' weights in two int8 parts (Int8Linear), ~15 bits a weight: an error there runs
 # through every layer after it. The random 2B's text logits with w8a14's decode (scratch sens2.py, Zen 3, 2026-12-04,
 # plain / outlier weights): 21.3 / 21.3 dB of SQNR against fp32 with none, 26.5 / 26.6 with layer 0, 28.3 / 28.4
@@ -123,7 +131,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x):
         flat = x.reshape(-1, self.in_features)
-        if self.prefill is not None and flat.shape[0] > DECODE_ROWS:
+        if self.prefill is not None and (flat.shape[0] > DECODE_ROWS or prompting.get()):
             return self.prefill(x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.bfloat16(), self.packed, self.group, self.scale_zero).to(x.dtype)
         y = y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)

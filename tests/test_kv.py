@@ -12,7 +12,7 @@ import torch
 from gradio_client import Client, handle_file
 from transformers import DynamicCache
 
-from qvl import generate, kv, settings
+from qvl import bench, generate, kv, quant, settings
 from qvl.engine import Stats, Turn
 from test_engine import picture
 from test_robustness import inproc  # noqa: F401 (the app in this process, serving the session's engine)
@@ -210,3 +210,56 @@ def filled(length: int) -> DynamicCache:
     cache = DynamicCache()
     cache.update(torch.zeros(1, 1, length, 2), torch.zeros(1, 1, length, 2), 0)
     return cache
+
+
+@pytest.fixture(scope="module")
+def fp32_scenarios(engine):
+    """The bench's memory scenarios on the fp32 tiny model: the first answer's tokens, and each request's tokens and
+    logits computed cold, the references for the quantized modes."""
+    first = bench.forced_chat(engine, [Turn("user", bench.QUESTION, (bench.photo(),))], None, bench.NEW_TOKENS)[2]
+    return first, bench.scenarios(engine, bench.SCENARIOS, first)[1]
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14"])
+def test_in_every_quantized_mode_reuse_is_no_farther_from_fp32_than_cold(make_engine, fp32_scenarios, mode):
+    """A follow-up, a seen image and Regenerate answered from kept caches: their logits against fp32's are at least
+    as close as the same request computed cold (within 0.5 dB), and reuse really happened."""
+    first, references = fp32_scenarios
+    engine = make_engine("--quant", mode, "--no-model-cache")
+    engine.settled.wait()  # the decode kernels switch in when compiled: not between the two ways
+    for row in bench.scenarios(engine, bench.SCENARIOS, first, references)[0]:
+        assert row["reused_tokens"] > 0 and row["cold_reused_tokens"] == 0, row
+        assert row["reuse_sqnr_db"] >= row["cold_sqnr_db"] - 0.5, row
+        assert row["cold_sqnr_db"] < 60, row  # the mode really quantizes
+
+
+def test_int4_regenerates_its_last_prompt_token_on_the_weights_a_whole_prompt_uses(make_engine, monkeypatch):
+    """Regenerate prefills one token: int4 computes it on its int8 twins (quant.prompting), as inside the whole
+    prompt, not on the int4 weights its decode steps read; so its answer is, within rounding, the cold one."""
+    engine = make_engine("--quant", "int4", "--no-model-cache")
+    engine.settled.wait()
+    request = [Turn("user", bench.QUESTION, (bench.photo(),))]
+    first = bench.forced_chat(engine, request, None, 8)[2]
+    twin_rows, forward = [], quant.Int8Linear.forward
+    monkeypatch.setattr(quant.Int8Linear, "forward", lambda self, x: twin_rows.append(x.numel() // self.in_features)
+                        or forward(self, x))
+    warm, stats, _ = bench.forced_chat(engine, request, first, 8)
+    assert stats.reused_tokens == stats.prompt_tokens - 1 and twin_rows and set(twin_rows) == {1}
+    engine.forget()
+    cold, cold_stats, _ = bench.forced_chat(engine, request, first, 8)
+    assert cold_stats.reused_tokens == 0
+    assert bench.fidelity(warm, cold)["sqnr_db"] > 40  # 33 dB on the int4 weights
+
+
+def test_a_mode_that_decodes_on_other_weights_keeps_only_what_its_prompts_computed(make_engine):
+    """int4 decodes on int4 weights and prefills on int8 twins: a decoded position is not what a prompt computes."""
+    assert quant.PROMPT_TWINS == {"int4"}
+    params = settings.GenParams(greedy=True, max_new_tokens=6, min_new_tokens=6)
+    for mode, keeps_answer in (("int4", False), ("int8", True)):
+        engine = make_engine("--quant", mode, "--no-model-cache")
+        first = [Turn("user", "Hello!")]
+        *_, stats = engine.chat(first, params)
+        prompt = stats.prompt_tokens
+        assert engine.kv.info()["entries"] == 1
+        kept = next(iter(engine.kv._entries.values()))
+        assert len(kept.content) == kept.cache.get_seq_length() == (prompt + 5 if keeps_answer else prompt), mode
