@@ -343,8 +343,15 @@ def scenarios(engine, names, first: list[int], references: dict | None = None) -
         row = {"name": name, "ttft_s": warm.ttft_s, "cold_ttft_s": cold.ttft_s, "reused_tokens": warm.reused_tokens,
                "cached_images": warm.cached_images, "cold_reused_tokens": cold.reused_tokens}
         if reference is not None:
-            row["reuse_sqnr_db"] = fidelity(warm_logits, reference["logits"])["sqnr_db"]
-            row["cold_sqnr_db"] = fidelity(cold_logits, reference["logits"])["sqnr_db"]
+            ref = reference["logits"]
+            row["reuse_sqnr_db"] = fidelity(warm_logits, ref)["sqnr_db"]
+            row["cold_sqnr_db"] = fidelity(cold_logits, ref)["sqnr_db"]
+            picks = warm_logits.argmax(-1), cold_logits.argmax(-1)
+            row["same_picks"] = (picks[0] == picks[1]).float().mean().item()
+            if row["same_picks"] < 1:  # where the two ways first pick apart: how near a tie it is, against the noise
+                i = int((picks[0] != picks[1]).nonzero()[0])
+                row["split_at"], row["split_gap"] = i, (ref[i, picks[0][i]] - ref[i, picks[1][i]]).abs().item()
+                row["split_noise"] = (cold_logits[i] - ref[i]).pow(2).mean().sqrt().item()
         out.append(row)
     return out, mine
 
@@ -642,10 +649,11 @@ def table(rows: list[dict]) -> str:
     memory = [(r["name"], s) for r in rows for s in r.get("scenarios", [])]
     if memory:
         lines += ["", "| row | scenario | ttft_s | cold_ttft_s | ratio | reused_tokens | cached_images | reuse_sqnr_db "
-                  "| cold_sqnr_db |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| cold_sqnr_db | same_picks |", "|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {row} | {s['name']} | {s['ttft_s']:.3g} | {s['cold_ttft_s']:.3g} | "
                   f"{s['ttft_s'] / s['cold_ttft_s']:.3f}x | {s['reused_tokens']} | {s['cached_images']} | "
-                  + " | ".join(f"{s[k]:.3g}" if k in s else "-" for k in ("reuse_sqnr_db", "cold_sqnr_db")) + " |"
+                  + " | ".join(f"{s[k]:.3g}" if k in s else "-" for k in ("reuse_sqnr_db", "cold_sqnr_db", "same_picks"))
+                  + " |"
                   for row, s in memory]
     return "\n".join(lines)
 
