@@ -1,10 +1,14 @@
 """All configuration in one typed object, filled from CLI flags, then QVL_* env vars, then defaults."""
 import argparse
 import dataclasses
+import functools
+import ipaddress
+import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 
-from qvl import cpu
+from qvl import __version__, cpu
 from qvl.cache import parse_size
 
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -36,8 +40,8 @@ class Settings:
     interop_threads: int = 1
     max_context: int = 8192
     gen: GenParams = field(default_factory=GenParams)
-    host: str = field(default_factory=lambda: os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
-    port: int = field(default_factory=lambda: int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+    host: str = "127.0.0.1"
+    port: int = 7860
     share: bool = False
     auth: str | None = None  # "user:password[,user:password…]"; prefer QVL_AUTH so it stays out of shell history
     # Users of --auth who may change server-wide settings (threads, clearing the cache) on a server others reach.
@@ -84,12 +88,32 @@ class Settings:
 
 
 QUANT_MODES = ("auto", "fp32", "bf16", "int8", "int4", "w8a16", "w8a14")
+# The values each numeric setting may take, (lowest, highest or None); the settings tab's controls take theirs from
+# here, so that a value the server starts with is one the page accepts back from every request.
+BOUNDS = {
+    "threads": (1, None), "interop_threads": (1, None),
+    "max_context": (64, None),  # room for a short question; the engine lowers it to the model's own limit
+    "max_new_tokens": (1, None), "min_new_tokens": (0, None),
+    "temperature": (0.05, 2.0), "top_p": (0.05, 1.0), "top_k": (1, 200), "seed": (0, 2**32 - 1),
+    # 16384: the largest image Qwen3-VL's processor makes (16M pixels); the processor refuses a smallest of 0.
+    "max_image_tokens": (16, 16384), "min_image_tokens": (16, 16384),
+    "port": (1, 65535), "queue_size": (1, None), "max_sessions": (1, None), "upload_hours": (0, None),
+    "backend_timeout": (1, None), "concurrency": (1, None),
+}
+AUTO_SIZES = ("cache_size", "kv_memory", "feature_cache_size")  # "auto" or a size; 0 keeps nothing
+FOLDERS = ("cache_dir", "model_cache_dir")
+# Hugging Face Spaces says where to serve in these; a QVL_* variable or a flag wins over them.
+GRADIO_VARIABLES = {"host": "GRADIO_SERVER_NAME", "port": "GRADIO_SERVER_PORT"}
+HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # "name" or "org/name"
+HOST_NAME = re.compile(r"[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*")
 
 _HELP = {
     "model": "hub id or local folder of a Qwen3-VL checkpoint",
     "require_model": "fail instead of falling back to the tiny offline model",
-    "quant": "weights: auto (w8a14, int8 decoding 14-bit activations, with AVX2; int8 where cores split 256-bit "
-             "operations, as Zen 1's do), fp32, bf16, int8, int4, w8a16, w8a14",
+    "quant": "how the weights are stored and computed: auto picks w8a14 (int8 weights, answers close to bf16's) on "
+             "CPUs with AVX2 from Intel's Haswell (4th-generation Core) and AMD's Zen 2 on; int8 (faster there) on "
+             "older AMD ones (Zen+, Zen 1: Ryzen 1000 and 2000, the first EPYC) and Intel's N100 to i3-N305; fp32 "
+             "without AVX2 (ARM included); or name one: fp32, bf16, int8, int4, w8a16, w8a14",
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",
@@ -146,12 +170,74 @@ _HELP = {
 }
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"expected a boolean, got {text!r}")
+def _number(kind: type, name: str, text: str):
+    """text as an int or float within BOUNDS[name]."""
+    low, high = BOUNDS[name]
+    what = "a whole number" if kind is int else "a number"
+    allowed = f"{what} from {low} to {high}" if high is not None else f"{what} of at least {low}"
+    try:
+        number = kind(text)
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number) or number < low or (high is not None and number > high):
+        raise argparse.ArgumentTypeError(f"{text} is not {allowed}")
+    return number
+
+
+def _model(text: str) -> str:
+    """A checkpoint folder (~ expanded), or a hub id, which the engine finds in the hub's cache or downloads."""
+    folder = os.path.expanduser(text)
+    if os.path.isdir(folder):
+        return folder
+    # Only "name" and "org/name" can be hub ids: anything else is meant as a folder.
+    if text.startswith((".", "~")) or os.path.isabs(text) or text.count("/") > 1 or "\\" in text:
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder" if os.path.exists(folder)
+                                         else f"folder {text} does not exist")
+    if not HUB_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text} is neither a folder nor a hub id such as {DEFAULT_MODEL}")
+    return text
+
+
+def _value(name: str, kind: type, text: str):
+    """text (a flag's or a variable's) as the setting `name` takes it; ArgumentTypeError says what it takes."""
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise argparse.ArgumentTypeError(f"{text} is not one of 1, true, yes, on, 0, false, no, off")
+    if name in BOUNDS:
+        return _number(kind, name, text)
+    if name in AUTO_SIZES or name == "max_file_size":
+        auto = name in AUTO_SIZES
+        try:
+            fine = (auto and text == "auto") or parse_size(text) >= (0 if auto else 1)
+        except ValueError:
+            fine = False
+        if not fine:
+            allowed = "auto, 0 or a size such as 500MB or 2GB" if auto else "a size above 0 such as 20mb"
+            raise argparse.ArgumentTypeError(f"{text} is not {allowed}")
+        return text
+    if name == "quant" and text not in QUANT_MODES:
+        raise argparse.ArgumentTypeError(f"{text} is not one of {', '.join(QUANT_MODES)}")
+    if name == "model":
+        return _model(text)
+    if name in FOLDERS and os.path.isfile(os.path.expanduser(text)):
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    if name == "host" and not HOST_NAME.fullmatch(text):
+        try:
+            ipaddress.ip_address(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text} is not an address such as 127.0.0.1 or 0.0.0.0, nor a host "
+                                             "name") from None
+    if name == "backend" and text and not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text} is not an http(s) URL such as http://127.0.0.1:8000/v1")
+    if name == "auth":
+        try:
+            credentials(text)
+        except ValueError as e:  # the value holds passwords: never echoed
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _flags(obj) -> list[tuple[str, type, object]]:
@@ -167,50 +253,43 @@ def _flags(obj) -> list[tuple[str, type, object]]:
     return out
 
 
-def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Settings:
-    """Build Settings: a CLI flag wins over QVL_<NAME> in env, which wins over the default."""
-    env = os.environ if env is None else env
-    base = Settings()
-    parser = argparse.ArgumentParser(prog="app.py", description="Chat about images with Qwen3-VL on a CPU.")
-    for name, kind, default in _flags(base):
+def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
+    """The command line's parser, its defaults taken from QVL_<NAME> (and GRADIO_VARIABLES) in env; a bad value
+    there ends the program with a usage error naming the variable."""
+    # The usage line stays one line: --help lists the flags.
+    parser = argparse.ArgumentParser(prog="app.py", usage="%(prog)s [options]",
+                                     description="Chat about images with Qwen3-VL on a CPU.")
+    parser.add_argument("--version", action="version", version=f"qvl {__version__}", help="print qvl's version and exit")
+    for name, kind, default in _flags(Settings()):
         flag, var = "--" + name.replace("_", "-"), "QVL_" + name.upper()
         shown = "" if name in SECRETS else f", default {default}"  # a secret stays out of --help output
         help_text = f"{_HELP[name]} [env {var}{shown}]".replace("%", "%%")  # argparse formats help with %
-        if var in env:
+        read = functools.partial(_value, name, kind)
+        source = next((v for v in (var, GRADIO_VARIABLES.get(name, var)) if v in env), None)
+        if source:
             try:
-                default = _parse_bool(env[var]) if kind is bool else kind(env[var])
-            except ValueError as e:
-                parser.error(f"{var}: {e}")
+                default = read(env[source])
+            except argparse.ArgumentTypeError as e:
+                parser.error(f"{source}: {e}")
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
-            parser.add_argument(flag, type=kind, default=default, help=help_text)
+            parser.add_argument(flag, type=read, default=default, help=help_text)
+    return parser
+
+
+def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Settings:
+    """Build Settings: a CLI flag wins over QVL_<NAME> in env, which wins over the default."""
+    parser = build_parser(os.environ if env is None else env)
     args = vars(parser.parse_args(argv))
     gen_names = {f.name for f in fields(GenParams)}
     gen = GenParams(**{k: v for k, v in args.items() if k in gen_names})
     settings = Settings(**{k: v for k, v in args.items() if k not in gen_names}, gen=gen)
-    if settings.quant not in QUANT_MODES:
-        parser.error(f"--quant must be one of {', '.join(QUANT_MODES)} (got {settings.quant!r})")
-    for name in ("kv_memory", "feature_cache_size"):
-        try:
-            if getattr(settings, name) != "auto":
-                parse_size(getattr(settings, name))
-        except ValueError as e:
-            parser.error(f"--{name.replace('_', '-')}: {e}")
-    if settings.max_sessions < 1 or settings.upload_hours < 0:
-        parser.error("--max-sessions must be at least 1 and --upload-hours at least 0")
-    if settings.concurrency < 1 or settings.backend_timeout <= 0:
-        parser.error("--concurrency must be at least 1 and --backend-timeout above 0")
-    if settings.backend and not settings.backend.startswith(("http://", "https://")):
-        parser.error(f"--backend must be an http(s) URL such as http://127.0.0.1:8000/v1 (got {settings.backend!r})")
-    try:
-        users = dict(credentials(settings.auth))
-    except ValueError as e:
-        parser.error(str(e))
     if settings.mcp and settings.auth:
         # Gradio mounts its MCP server outside the page's login: an agent has no way to sign in, and an endpoint
         # beside the login is not one this app should offer as if it were protected.
         parser.error("--mcp cannot be combined with --auth: Gradio's MCP endpoint has no login of its own")
+    users = dict(credentials(settings.auth))
     for flag, named in (("--admins", settings.admin_names), ("--priority-users", settings.priority_names)):
         unknown = [name for name in named if name not in users]
         if unknown:
@@ -230,6 +309,7 @@ def credentials(auth: str | None) -> list[tuple[str, str]]:
     for item in (auth or "").split(",") if auth else []:
         user, sep, password = item.strip().partition(":")
         if not (sep and user and password):
-            raise ValueError("--auth / QVL_AUTH must look like user:password (several separated by commas)")
+            raise ValueError("the value (not shown: it holds passwords) is not user:password, several separated by "
+                             "commas")
         pairs.append((user, password))
     return pairs

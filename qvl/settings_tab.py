@@ -10,6 +10,7 @@ import gradio as gr
 
 from qvl import cpu, texts
 from qvl.answers import PARAMS
+from qvl.settings import BOUNDS
 
 INSTRUCTION_SETS = ("AVX2", "AVX-512", "VNNI", "BF16", "AMX")  # qvl.cpu's names, each shown as present or not
 
@@ -26,20 +27,21 @@ def draw(i18n: gr.I18n, engine, cache, settings) -> dict:
     gr.Markdown(i18n("generation"))
     with gr.Row():
         controls = [
-            gr.Slider(16, max(4096, gen.max_image_tokens), value=gen.max_image_tokens, step=16,
-                      label=i18n("max_image_tokens")),
-            gr.Slider(1, max(2048, gen.max_new_tokens), value=gen.max_new_tokens, step=1, label=i18n("max_new_tokens")),
+            gr.Slider(BOUNDS["max_image_tokens"][0], max(4096, gen.max_image_tokens), value=gen.max_image_tokens,
+                      step=16, label=i18n("max_image_tokens")),
+            gr.Slider(BOUNDS["max_new_tokens"][0], max(2048, gen.max_new_tokens), value=gen.max_new_tokens, step=1,
+                      label=i18n("max_new_tokens")),
         ]
     with gr.Row():
         controls += [
-            gr.Slider(0.05, 2.0, value=gen.temperature, step=0.05, label=i18n("temperature")),
-            gr.Slider(0.05, 1.0, value=gen.top_p, step=0.05, label=i18n("top_p")),
-            gr.Slider(1, 200, value=gen.top_k, step=1, label=i18n("top_k")),
+            gr.Slider(*BOUNDS["temperature"], value=gen.temperature, step=0.05, label=i18n("temperature")),
+            gr.Slider(*BOUNDS["top_p"], value=gen.top_p, step=0.05, label=i18n("top_p")),
+            gr.Slider(*BOUNDS["top_k"], value=gen.top_k, step=1, label=i18n("top_k")),
         ]
     with gr.Row():
         controls += [
             gr.Checkbox(gen.greedy, label=i18n("greedy")),
-            gr.Number(gen.seed, label=i18n("seed"), precision=0, minimum=0, maximum=2**32 - 1),
+            gr.Number(gen.seed, label=i18n("seed"), precision=0, minimum=BOUNDS["seed"][0], maximum=BOUNDS["seed"][1]),
         ]
     assert len(controls) == len(PARAMS)
     gr.Markdown(i18n("cache"))

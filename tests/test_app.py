@@ -219,9 +219,10 @@ def test_a_second_start_reads_the_kept_model_while_the_app_imports(launch_app, t
     assert "from the model cache" in second.log.read_text() and "read ahead" in second.log.read_text()
 
 
-def test_a_missing_model_folder_stops_a_require_model_app_with_the_fixes(tmp_path):
+def test_a_model_folder_without_a_checkpoint_stops_a_require_model_app_with_the_fixes(tmp_path):
     # --quant int8: the app first looks for a kept model to read ahead, which must leave the verdict to the engine.
-    missing = str(tmp_path / "no-such-model")
+    (tmp_path / "no-checkpoint").mkdir()  # a folder that does not exist is a usage error instead
+    missing = str(tmp_path / "no-checkpoint")
     with pytest.raises(RuntimeError) as failed:
         stress.launch(missing, tmp_path, "--quant", "int8", "--require-model", "--model-cache-dir", str(tmp_path))
     assert "exited with 1" in str(failed.value) and "Fixes:" in str(failed.value), str(failed.value)[-2000:]

@@ -150,7 +150,8 @@ def test_a_context_limit_below_the_models_is_named_as_the_servers(tiny_dir):
 
 def test_offline_fallback_serves_the_tiny_model(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr("qvl.engine.TINY_DIR", tmp_path / "tiny")
-    missing = str(tmp_path / "no-such-model")
+    (tmp_path / "no-checkpoint").mkdir()  # a folder that does not exist is a usage error instead
+    missing = str(tmp_path / "no-checkpoint")
     engine = Engine(settings.parse(["--model", missing, "--quant", "fp32"], env={}))
     assert engine.fallback and missing in engine.fallback
     assert "TINY OFFLINE MODEL" in caplog.text
@@ -160,7 +161,8 @@ def test_offline_fallback_serves_the_tiny_model(tmp_path, monkeypatch, caplog):
 
 
 def test_require_model_turns_the_fallback_into_an_error_naming_the_fixes(tmp_path):
-    missing = str(tmp_path / "no-such-model")
+    (tmp_path / "no-checkpoint").mkdir()
+    missing = str(tmp_path / "no-checkpoint")
     with pytest.raises(ModelUnavailable, match="--model /path/to/local/folder"):
         Engine(settings.parse(["--model", missing, "--require-model"], env={}))
     with pytest.raises(ModelUnavailable):

@@ -4,9 +4,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from types import SimpleNamespace
+
+import gradio as gr
 import pytest
 
-from qvl import cpu, kv, settings
+import qvl
+from qvl import answers, cpu, kv, settings, settings_tab, texts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,12 +30,12 @@ def test_bind_is_localhost_unless_spaces_sets_it():
     assert settings.parse([], env={}).host == "127.0.0.1"
 
 
-def test_spaces_server_name_and_port_are_honoured(monkeypatch):
-    monkeypatch.setenv("GRADIO_SERVER_NAME", "0.0.0.0")
-    monkeypatch.setenv("GRADIO_SERVER_PORT", "7861")
-    s = settings.parse([], env={})
+def test_spaces_server_name_and_port_are_honoured():
+    spaces = {"GRADIO_SERVER_NAME": "0.0.0.0", "GRADIO_SERVER_PORT": "7861"}
+    s = settings.parse([], env=spaces)
     assert (s.host, s.port) == ("0.0.0.0", 7861)
-    assert settings.parse(["--host", "127.0.0.1"], env={}).host == "127.0.0.1"
+    assert settings.parse(["--host", "127.0.0.1"], env=spaces).host == "127.0.0.1"
+    assert settings.parse([], env={**spaces, "QVL_PORT": "8000"}).port == 8000
 
 
 def test_qwen_instruct_sampling_defaults():
@@ -40,17 +44,160 @@ def test_qwen_instruct_sampling_defaults():
     assert 100 <= g.max_new_tokens <= 512
 
 
-@pytest.mark.parametrize(
-    "argv, env, named",
-    [(["--quant", "fp16"], {}, "--quant"), ([], {"QVL_THREADS": "many"}, "QVL_THREADS"),
-     ([], {"QVL_GREEDY": "maybe"}, "QVL_GREEDY"), (["--port", "http"], {}, "--port"),
-     (["--max-sessions", "0"], {}, "--max-sessions"), ([], {"QVL_UPLOAD_HOURS": "-1"}, "--upload-hours"),
-     (["--kv-memory", "lots"], {}, "--kv-memory"), ([], {"QVL_FEATURE_CACHE_SIZE": "-1"}, "--feature-cache-size")],
-)
-def test_bad_values_are_refused_with_the_name_of_the_setting(argv, env, named, capsys):
-    with pytest.raises(SystemExit):
+# One bad value for every flag of --help: (command line, environment, the refusal's last line). A switch takes no
+# value on the command line (--greedy=maybe is argparse's own error), so its bad value is its variable's.
+BAD = {
+    "--model": (["--model", "/nonexistent"], {}, "argument --model: folder /nonexistent does not exist"),
+    "--require-model": ([], {"QVL_REQUIRE_MODEL": "sure"},
+                        "QVL_REQUIRE_MODEL: sure is not one of 1, true, yes, on, 0, false, no, off"),
+    "--quant": (["--quant", "fp16"], {}, "argument --quant: fp16 is not one of auto, fp32, bf16, int8, int4, w8a16, "
+                                         "w8a14"),
+    "--threads": (["--threads", "0"], {}, "argument --threads: 0 is not a whole number of at least 1"),
+    "--interop-threads": (["--interop-threads", "0"], {},
+                          "argument --interop-threads: 0 is not a whole number of at least 1"),
+    "--max-context": (["--max-context", "10"], {}, "argument --max-context: 10 is not a whole number of at least 64"),
+    "--max-new-tokens": (["--max-new-tokens", "0"], {},
+                         "argument --max-new-tokens: 0 is not a whole number of at least 1"),
+    "--temperature": (["--temperature", "-1"], {}, "argument --temperature: -1 is not a number from 0.05 to 2.0"),
+    "--top-p": (["--top-p", "2"], {}, "argument --top-p: 2 is not a number from 0.05 to 1.0"),
+    "--top-k": (["--top-k", "0"], {}, "argument --top-k: 0 is not a whole number from 1 to 200"),
+    "--greedy": ([], {"QVL_GREEDY": "maybe"}, "QVL_GREEDY: maybe is not one of 1, true, yes, on, 0, false, no, off"),
+    "--seed": (["--seed", "-1"], {}, "argument --seed: -1 is not a whole number from 0 to 4294967295"),
+    "--max-image-tokens": (["--max-image-tokens", "0"], {},
+                           "argument --max-image-tokens: 0 is not a whole number from 16 to 16384"),
+    "--min-image-tokens": (["--min-image-tokens", "0"], {},
+                           "argument --min-image-tokens: 0 is not a whole number from 16 to 16384"),
+    "--min-new-tokens": (["--min-new-tokens", "-1"], {},
+                         "argument --min-new-tokens: -1 is not a whole number of at least 0"),
+    "--host": (["--host", "http://0.0.0.0"], {},
+               "argument --host: http://0.0.0.0 is not an address such as 127.0.0.1 or 0.0.0.0, nor a host name"),
+    "--port": (["--port", "70000"], {}, "argument --port: 70000 is not a whole number from 1 to 65535"),
+    "--share": ([], {"QVL_SHARE": "always"}, "QVL_SHARE: always is not one of 1, true, yes, on, 0, false, no, off"),
+    # The value holds passwords: the refusal never repeats it.
+    "--auth": (["--auth", "ann;hunter2"], {}, "argument --auth: the value (not shown: it holds passwords) is not "
+                                              "user:password, several separated by commas"),
+    "--admins": (["--auth", "ann:pw", "--admins", "eve"], {}, "--admins names eve, not among the --auth users (ann)"),
+    "--priority-users": (["--auth", "ann:pw", "--priority-users", "eve"], {},
+                         "--priority-users names eve, not among the --auth users (ann)"),
+    "--cache": ([], {"QVL_CACHE": "2"}, "QVL_CACHE: 2 is not one of 1, true, yes, on, 0, false, no, off"),
+    "--cache-dir": (["--cache-dir", str(ROOT / "app.py")], {}, f"argument --cache-dir: {ROOT / 'app.py'} is a file, "
+                                                               "not a folder"),
+    "--cache-size": (["--cache-size", "lots"], {},
+                     "argument --cache-size: lots is not auto, 0 or a size such as 500MB or 2GB"),
+    "--model-cache": ([], {"QVL_MODEL_CACHE": "2"},
+                      "QVL_MODEL_CACHE: 2 is not one of 1, true, yes, on, 0, false, no, off"),
+    "--jit": ([], {"QVL_JIT": "numba"}, "QVL_JIT: numba is not one of 1, true, yes, on, 0, false, no, off"),
+    "--model-cache-dir": (["--model-cache-dir", str(ROOT / "app.py")], {},
+                          f"argument --model-cache-dir: {ROOT / 'app.py'} is a file, not a folder"),
+    "--kv-memory": (["--kv-memory", "-1"], {},
+                    "argument --kv-memory: -1 is not auto, 0 or a size such as 500MB or 2GB"),
+    "--feature-cache-size": (["--feature-cache-size", "1 gigabyte"], {},
+                             "argument --feature-cache-size: 1 gigabyte is not auto, 0 or a size such as 500MB or 2GB"),
+    "--queue-size": (["--queue-size", "0"], {}, "argument --queue-size: 0 is not a whole number of at least 1"),
+    "--max-file-size": (["--max-file-size", "0"], {}, "argument --max-file-size: 0 is not a size above 0 such as 20mb"),
+    "--max-sessions": (["--max-sessions", "0"], {}, "argument --max-sessions: 0 is not a whole number of at least 1"),
+    "--upload-hours": (["--upload-hours", "-1"], {}, "argument --upload-hours: -1 is not a number of at least 0"),
+    "--allow-image-urls": ([], {"QVL_ALLOW_IMAGE_URLS": "all"},
+                           "QVL_ALLOW_IMAGE_URLS: all is not one of 1, true, yes, on, 0, false, no, off"),
+    "--backend": (["--backend", "127.0.0.1:8000/v1"], {},
+                  "argument --backend: 127.0.0.1:8000/v1 is not an http(s) URL such as http://127.0.0.1:8000/v1"),
+    "--backend-timeout": (["--backend-timeout", "0"], {},
+                          "argument --backend-timeout: 0 is not a number of at least 1"),
+    "--concurrency": (["--concurrency", "0"], {}, "argument --concurrency: 0 is not a whole number of at least 1"),
+    "--mcp": ([], {"QVL_MCP": "y"}, "QVL_MCP: y is not one of 1, true, yes, on, 0, false, no, off"),
+}
+# Flags with no bad value, and why.
+NO_BAD_VALUE = {
+    "--help": "takes no value",
+    "--version": "takes no value",
+    "--api-key": "any text can be a key",
+    "--backend-model": "any name: the backend's own list decides, and it refuses an unknown one when asked",
+    "--backend-key": "any text can be a key: the backend decides",
+}
+
+
+def test_every_flag_of_help_has_a_bad_value_or_a_reason_for_none():
+    flags = {action.option_strings[-1 if action.option_strings[0] == "-h" else 0]
+             for action in settings.build_parser({})._actions}
+    assert flags == set(BAD) | set(NO_BAD_VALUE) and not set(BAD) & set(NO_BAD_VALUE)
+
+
+@pytest.mark.parametrize("flag", BAD)
+def test_a_bad_value_is_a_one_line_usage_error_naming_the_setting_the_value_and_what_it_takes(flag, capsys):
+    argv, env, refusal = BAD[flag]
+    with pytest.raises(SystemExit) as stop:
         settings.parse(argv, env=env)
-    assert named in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.splitlines() == ["usage: app.py [options]", f"app.py: error: {refusal}"]
+    assert "hunter2" not in err
+
+
+@pytest.mark.parametrize("env, refusal", [
+    ({"QVL_TOP_P": "2"}, "QVL_TOP_P: 2 is not a number from 0.05 to 1.0"),
+    ({"QVL_CACHE_SIZE": "lots"}, "QVL_CACHE_SIZE: lots is not auto, 0 or a size such as 500MB or 2GB"),
+    ({"GRADIO_SERVER_PORT": "http"}, "GRADIO_SERVER_PORT: http is not a whole number from 1 to 65535"),
+    ({"GRADIO_SERVER_NAME": "0.0.0.0:7860"}, "GRADIO_SERVER_NAME: 0.0.0.0:7860 is not an address"),
+    ({"QVL_AUTH": "ann"}, "QVL_AUTH: the value (not shown: it holds passwords) is not user:password"),
+])
+def test_a_bad_variable_is_refused_by_its_own_name(env, refusal, capsys):
+    with pytest.raises(SystemExit) as stop:
+        settings.parse([], env=env)
+    assert stop.value.code == 2 and refusal in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["~/no-such-qvl-model", "./no-such-model", "../no-such-model", "models/qwen/2b"])
+def test_a_model_path_that_does_not_exist_is_refused_and_a_hub_id_is_not(value, capsys):
+    with pytest.raises(SystemExit):
+        settings.parse(["--model", value], env={})
+    assert f"argument --model: folder {value} does not exist" in capsys.readouterr().err
+    for hub_id in ("Qwen/Qwen3-VL-8B-Instruct", "my-org/qwen3-vl.ft_2"):
+        assert settings.parse(["--model", hub_id], env={}).model == hub_id
+    with pytest.raises(SystemExit):
+        settings.parse(["--model", "a model"], env={})
+    assert "a model is neither a folder nor a hub id" in capsys.readouterr().err
+
+
+def test_a_model_folder_is_taken_with_its_home_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "qwen").mkdir()
+    assert settings.parse(["--model", "~/qwen"], env={}).model == str(tmp_path / "qwen")
+    assert settings.parse([], env={"QVL_MODEL": "~/qwen"}).model == str(tmp_path / "qwen")
+
+
+@pytest.mark.parametrize("name", ["max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "seed"])
+def test_the_page_takes_back_every_value_the_server_starts_with(name):
+    """The settings tab's control sends its value back with every question, and Gradio refuses one outside the
+    control's range: a start-up value it would refuse broke every question."""
+    low, high = settings.BOUNDS[name]
+    for value in (low, high or 100_000):
+        config = settings.parse(["--" + name.replace("_", "-"), str(value)], env={})
+        with gr.Blocks():
+            parts = settings_tab.draw(gr.I18n(**texts.TEXT), SimpleNamespace(threads=1), SimpleNamespace(
+                enabled=True), config)
+        control = parts["controls"][answers.PARAMS.index(name)]
+        assert control.preprocess(control.value) == value
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    (["--max-image-tokens", "0"], "argument --max-image-tokens: 0 is not a whole number from 16 to 16384"),
+    (["--temperature", "-1"], "argument --temperature: -1 is not a number from 0.05 to 2.0"),
+    (["--cache-size", "lots"], "argument --cache-size: lots is not auto, 0 or a size such as 500MB or 2GB"),
+    (["--model", "/nonexistent", "--require-model"], "argument --model: folder /nonexistent does not exist"),
+])
+def test_the_app_refuses_a_bad_flag_with_exit_code_2_and_no_traceback(flags, refusal):
+    code, _, err, _ = run_app(*flags)
+    assert code == 2 and refusal in err and "Traceback" not in err
+
+
+def test_a_bad_spaces_port_is_a_usage_error_not_a_traceback():
+    code, _, err, _ = run_app(GRADIO_SERVER_PORT="http")
+    assert code == 2 and "GRADIO_SERVER_PORT: http is not a whole number from 1 to 65535" in err
+    assert "Traceback" not in err
+
+
+def test_version_prints_the_one_version_string():
+    code, out, _, imported = run_app("--version")
+    assert code == 0 and out == f"qvl {qvl.__version__}\n" and not {"torch", "gradio"} & imported
 
 
 def test_default_threads_follow_the_cgroup_quota(tmp_path):
@@ -65,10 +212,12 @@ def test_default_threads_follow_the_cgroup_quota(tmp_path):
     assert cpu.available_cores(v1) == 1
 
 
-def run_app(*flags: str):
-    """`python app.py FLAGS` with Python's import log: (exit code, stdout, the modules it imported)."""
+def run_app(*flags: str, **env: str):
+    """`python app.py FLAGS` with Python's import log, in the environment without QVL_* and GRADIO_* variables but
+    with env: (exit code, stdout, stderr, the modules it imported)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("QVL_", "GRADIO_"))}
     done = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "app.py"), *flags], capture_output=True,
-                          text=True, timeout=60, env={k: v for k, v in os.environ.items() if not k.startswith("QVL_")})
+                          text=True, timeout=60, env={**clean, **env})
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")}
     return done.returncode, done.stdout, done.stderr, imported
 
@@ -86,7 +235,7 @@ def test_help_lists_every_flag_with_its_default_without_loading_torch_or_gradio(
 
 def test_a_bad_flag_is_refused_before_torch_or_gradio_load():
     code, _, err, imported = run_app("--quant", "fp16")
-    assert code == 2 and "--quant must be one of auto, fp32, bf16, int8, int4, w8a16, w8a14 (got 'fp16')" in err
+    assert code == 2 and "argument --quant: fp16 is not one of auto, fp32, bf16, int8, int4, w8a16, w8a14" in err
     assert not {"torch", "gradio", "transformers"} & imported
 
 
