@@ -4,31 +4,21 @@ It answers through the same Answerer as the page and `ask`: the same line, answe
 conversations (matched by content, so a follow-up that resends the conversation reuses its prefix). Errors are
 OpenAI error objects with the page's wording, in the request's Accept-Language.
 """
-import asyncio
-import base64
-import binascii
 import contextlib
-import ipaddress
 import json
-import secrets
-import socket
 import time
 import uuid
 from pathlib import Path
 
-import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from qvl import answers, settings, texts
-from qvl.answers import size_text
+from qvl import answers, doors, links, settings, texts
 from qvl.conversation import EngineError
 from qvl.images import InputError
 from qvl.line import Busy, Taken
 
-FETCH_S = 10.0  # a whole image download, redirects included
-REDIRECTS = 3
 RETRY_AFTER_S = 5  # while the model loads and warms up: seconds on a second start, minutes on a first
 
 
@@ -42,80 +32,6 @@ class Refused(Exception):
 
     def say(self, lang: str) -> str:
         return texts.say(lang, self.key, now=self.progress and texts.starting(lang, self.progress))
-
-
-def public(address: str) -> bool:
-    """Whether an image may be downloaded from this IP address: a global one, not this machine, a private network,
-    link-local (cloud metadata services live there) or multicast."""
-    ip = ipaddress.ip_address(address.split("%")[0])  # an IPv6 scope (fe80::1%eth0) is not part of the address
-    if ip.version == 6 and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    return ip.is_global and not ip.is_multicast
-
-
-async def resolve(host: str, port: int) -> str:
-    """The address to connect to. Every address the name resolves to must be public, so a name that also resolves
-    to an inside address is refused rather than tried."""
-    try:
-        found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise InputError("image_url_failed", detail=str(e), host=host) from None
-    addresses = [info[4][0] for info in found]
-    if not addresses or not all(public(a) for a in addresses):
-        raise InputError("image_url_blocked", detail=", ".join(addresses), host=host)
-    return addresses[0]
-
-
-async def fetch(url: str, limit: int) -> bytes:
-    """An image's bytes from a public http(s) URL, at most `limit` of them, within FETCH_S, each redirect checked.
-
-    The connection goes to the address that was checked, not to a second lookup of the name (which a rebinding DNS
-    server could answer with an inside address); the Host header and the TLS name stay the URL's. Proxies from the
-    environment are not used: they would make the connection for us, unchecked.
-    """
-    host = httpx.URL(url).host or url
-    try:
-        async with asyncio.timeout(FETCH_S), httpx.AsyncClient(trust_env=False, timeout=FETCH_S) as client:
-            for _ in range(REDIRECTS + 1):
-                target = httpx.URL(url)
-                host = target.host
-                if target.scheme not in ("http", "https") or not host:
-                    raise InputError("bad_field", field="image_url")
-                address = await resolve(host, target.port or (443 if target.scheme == "https" else 80))
-                request = client.build_request("GET", target.copy_with(host=address),
-                                               headers={"Host": target.netloc.decode("ascii")},
-                                               extensions={"sni_hostname": host})
-                response = await client.send(request, stream=True)
-                try:
-                    if response.is_redirect:
-                        url = str(target.join(response.headers["location"]))
-                        continue
-                    response.raise_for_status()
-                    data = bytearray()
-                    async for chunk in response.aiter_bytes():
-                        data += chunk
-                        if len(data) > limit:
-                            raise InputError("file_too_big", name=Path(target.path).name or host,
-                                             limit=size_text(limit))
-                    return bytes(data)
-                finally:
-                    await response.aclose()
-            raise InputError("image_url_failed", detail="too many redirects", host=host)
-    except (httpx.HTTPError, TimeoutError, KeyError) as e:
-        raise InputError("image_url_failed", detail=f"{type(e).__name__}: {e}", host=host) from None
-
-
-def data_url(url: str, limit: int) -> bytes:
-    """The bytes of a base64 data: URL (data:image/png;base64,…)."""
-    header, comma, payload = url.partition(",")
-    if not comma or not header.endswith(";base64"):
-        raise InputError("bad_field", field="image_url")
-    if len(payload) * 3 // 4 > limit:
-        raise InputError("file_too_big", name="image", limit=size_text(limit))
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise InputError("bad_field", field="image_url") from None
 
 
 def _number(body: dict, name: str, kind: type, low: float, high: float):
@@ -200,15 +116,13 @@ class OpenAIApi:
         --auth user's key has that user's priority. Without keys, API clients cannot be told apart and are not held
         to one place.
         """
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        given = key.strip().encode() if scheme.lower() == "bearer" else b""
         if not self.keys:
             return {"client": None, "priority": 0}
-        matched = [k for k in self.keys if secrets.compare_digest(given, k.encode())]
-        if not matched:
+        key = doors.matching(doors.sent(request.headers), self.keys)
+        if key is None:
             raise Refused(401, "api_key")
-        user = None if matched[0] == self.config.api_key else matched[0].partition(":")[0]
-        return {"client": "key:" + matched[0], "priority": int(user in self.answerer.priority_users)}
+        user = None if key == self.config.api_key else key.partition(":")[0]
+        return {"client": "key:" + key, "priority": int(user in self.answerer.priority_users)}
 
     async def models(self, request: Request) -> Response:
         try:
@@ -222,13 +136,7 @@ class OpenAIApi:
         url = part.get("url") if isinstance(part, dict) else part
         if not isinstance(url, str):
             raise InputError("bad_field", field=field)
-        if url.startswith("data:"):
-            return data_url(url, self.answerer.upload_limit)
-        if url.startswith(("http://", "https://")):
-            if not self.config.allow_image_urls:
-                raise InputError("image_url_off")
-            return await fetch(url, self.answerer.upload_limit)
-        raise InputError("bad_field", field=field)
+        return await links.read(url, field, self.config.allow_image_urls, self.answerer.upload_limit)
 
     async def conversation(self, messages) -> list[dict]:
         """messages -> the page's conversation entries; a message's images go before its text, as on the page."""

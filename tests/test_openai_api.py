@@ -15,7 +15,7 @@ import openai
 import pytest
 from gradio_client import Client, handle_file
 
-from qvl import answers, cache, openai_api, settings, stress, ui
+from qvl import answers, cache, doors, links, openai_api, settings, stress, ui
 from qvl.images import InputError
 from qvl.ui import ASSETS
 from test_robustness import watch
@@ -117,7 +117,7 @@ def test_a_stop_sequence_ends_the_answer_before_it(app):
     ("en", dict(messages=[]), 400, "The request's 'messages' is missing or not valid."),
     ("en", dict(messages=[{"role": "user", "content": "Hi"}], temperature=3), 400, "'temperature' is missing"),
     ("en", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {
-        "url": "data:image/png,notbase64"}}]}]), 400, "'image_url' is missing or not valid"),
+        "url": "data:image/png,notbase64"}}]}]), 400, "'messages[0].content[0].image_url' is missing or not valid"),
     ("en", dict(messages=[{"role": "tool", "content": "Hi"}]), 400, "Unknown role 'tool'"),
 ])
 def test_bad_requests_get_400_in_the_pages_wording(app, lang, ask, status, message):
@@ -174,13 +174,14 @@ def test_the_readme_examples_run(app):
 def serving(engine, tmp_path, *flags):
     """The page and the API around `engine`, in this process, like app.py serves them; yields their URL (and keeps
     the answerer as serving.answerer, for a test to watch its line)."""
-    config = settings.parse(["--cache-dir", str(tmp_path / "answers"), *flags], env={})
+    config = settings.parse(["--cache-dir", str(tmp_path / "answers"), "--port", str(stress.free_port()), *flags],
+                            env={})
     answerer = serving.answerer = answers.Answerer(engine, cache.AnswerCache(config.cache_dir), config)
     demo = ui.build(answerer, config)
     demo.queue(default_concurrency_limit=1, max_size=config.queue_size).launch(
-        server_name="127.0.0.1", server_port=stress.free_port(), prevent_thread_lock=True, quiet=True,
-        auth=settings.credentials(config.auth) or None, app_kwargs={"routes": openai_api.routes(answerer, config)},
-        **ui.page_assets())
+        server_name="127.0.0.1", server_port=config.port, prevent_thread_lock=True, quiet=True,
+        auth=settings.credentials(config.auth) or None, **ui.page_assets(),
+        app_kwargs={"routes": openai_api.routes(answerer, config), "middleware": doors.guard(config)})
     try:
         yield demo.local_url
     finally:
@@ -282,17 +283,17 @@ def test_a_key_holds_one_place_in_line_and_a_priority_users_key_goes_first(engin
                                      "100.64.0.1", "0.0.0.0", "::1", "fe80::1%eth0", "fc00::1", "::ffff:127.0.0.1",
                                      "224.0.0.1"])
 def test_local_private_and_link_local_addresses_are_not_public(address):
-    assert not openai_api.public(address)
+    assert not links.public(address)
 
 
 @pytest.mark.parametrize("address", ["93.184.215.14", "8.8.8.8", "2606:4700:4700::1111"])
 def test_global_addresses_are_public(address):
-    assert openai_api.public(address)
+    assert links.public(address)
 
 
 def test_a_name_resolving_to_loopback_is_refused_before_connecting():
     with pytest.raises(InputError, match="localhost is a local or private address"):
-        asyncio.run(openai_api.fetch("http://localhost:9/picture.png", 1 << 20))
+        asyncio.run(links.fetch("http://localhost:9/picture.png", 1 << 20))
 
 
 @pytest.fixture
@@ -317,16 +318,16 @@ def web(monkeypatch):
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setattr(openai_api, "public", lambda address: address == "127.0.0.1")
+    monkeypatch.setattr(links, "public", lambda address: address == "127.0.0.1")
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
 
 
 def test_a_public_link_is_fetched_within_the_size_limit_and_a_redirect_is_checked_again(web):
-    assert asyncio.run(openai_api.fetch(f"{web}/chart.png", 1 << 20)) == CHART.read_bytes()
+    assert asyncio.run(links.fetch(f"{web}/chart.png", 1 << 20)) == CHART.read_bytes()
     with pytest.raises(InputError, match="10.0.0.1 is a local or private address"):
-        asyncio.run(openai_api.fetch(f"{web}/redirect", 1 << 20))
+        asyncio.run(links.fetch(f"{web}/redirect", 1 << 20))
     with pytest.raises(InputError, match="is larger than 1 MB"):
-        asyncio.run(openai_api.fetch(f"{web}/big", 1 << 20))
+        asyncio.run(links.fetch(f"{web}/big", 1 << 20))
     with pytest.raises(InputError, match="Could not download the image from 127.0.0.1"):
-        asyncio.run(openai_api.fetch(f"{web}/missing.png", 1 << 20))
+        asyncio.run(links.fetch(f"{web}/missing.png", 1 << 20))
