@@ -42,7 +42,7 @@ def _local_copy(source: str) -> str:
         socket.create_connection((host.hostname, host.port or 443), timeout=3).close()
     except OSError as e:
         raise OSError(f"no local copy, and the hub ({constants.ENDPOINT}) is unreachable: {e}") from None
-    log.info("downloading %s from the hub (about 4.5 GB for the 2B model)", source)
+    log.info("downloading %s from the hub (about 4.3 GB for the 2B model)", source)
     return snapshot_download(source)
 
 
@@ -164,11 +164,12 @@ class Engine:
         --require-model."""
         reason = f"could not load {self.settings.model!r}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
         if self.settings.require_model:
-            raise ModelUnavailable(
-                f"{reason}\nFixes: connect to the internet so the weights can download, download them with "
-                f"`hf download {self.settings.model}`, or pass --model /path/to/local/folder. "
-                "Without --require-model the app serves a tiny offline model instead."
-            ) from error
+            fixes = (f"give --model the folder that holds the checkpoint's config.json and *.safetensors"
+                     if os.path.isdir(self.settings.model) else
+                     f"connect to the internet so the weights can download, download them with "
+                     f"`hf download {self.settings.model}`, or pass --model /path/to/local/folder")
+            raise ModelUnavailable(f"{reason}\nFixes: {fixes}. Without --require-model the app serves a tiny "
+                                   "offline model instead.") from error
         if self._ahead is not None:
             self._ahead.close()
             self._ahead = None

@@ -163,8 +163,9 @@ def test_offline_fallback_serves_the_tiny_model(tmp_path, monkeypatch, caplog):
 def test_require_model_turns_the_fallback_into_an_error_naming_the_fixes(tmp_path):
     (tmp_path / "no-checkpoint").mkdir()
     missing = str(tmp_path / "no-checkpoint")
-    with pytest.raises(ModelUnavailable, match="--model /path/to/local/folder"):
+    with pytest.raises(ModelUnavailable, match="folder that holds the checkpoint's config.json") as refused:
         Engine(settings.parse(["--model", missing, "--require-model"], env={}))
+    assert "hf download" not in str(refused.value)  # a folder is not a hub id to download
     with pytest.raises(ModelUnavailable):
         Engine(settings.parse(["--model", missing], env={"QVL_REQUIRE_MODEL": "1"}))
 
@@ -178,6 +179,8 @@ def test_hub_id_without_network_or_local_copy_falls_back_at_once(tmp_path, monke
     engine = Engine(settings.parse(["--quant", "fp32"], env={}))
     assert engine.fallback.startswith("could not load 'Qwen/Qwen3-VL-2B-Instruct'")
     assert "unreachable" in engine.fallback
+    with pytest.raises(ModelUnavailable, match="`hf download Qwen/Qwen3-VL-2B-Instruct`"):  # a hub id is downloadable
+        Engine(settings.parse(["--quant", "fp32", "--require-model"], env={}))
 
 
 EXIT_WHILE_WARMING = """
