@@ -4,13 +4,45 @@ Its components are hidden ones of its own, so that the API page names each input
 Gradio's file checks like the page's, and none of the page's internal events are part of it.
 """
 import contextlib
+from urllib.parse import quote, unquote, urlsplit
 
 import gradio as gr
+from gradio_client import handle_file
 
-from qvl import answers, texts
+from qvl import answers, links, texts
+from qvl.chat_tab import ASSETS, EXAMPLES
+
+FILE_ROUTE = "/gradio_api/file="  # where Gradio serves a file of launch()'s allowed_paths, the example pictures'
 
 
-def wire(conversation: gr.State, session: list, answerer):
+def example_picture(link: str) -> str | None:
+    """The example picture (the page's own, in assets/) that a link to Gradio's file route names, whatever host the
+    link has; None for any other link."""
+    path = urlsplit(link).path
+    named = unquote(path.removeprefix(FILE_ROUTE)) if path.startswith(FILE_ROUTE) else None
+    return named if named in {str(ASSETS / picture) for picture, _ in EXAMPLES} else None
+
+
+def images_input(example: str) -> gr.File:
+    """`ask`'s images: uploads, or links, which Gradio would download itself and refuse in its own words with a
+    traceback in the log; here `ask` reads them as the OpenAI API does. The API page's example is `example`, a link
+    to an example picture on this server, read from disk, so that the page's snippet runs as shown (Gradio's own
+    example is a PDF on GitHub). Set on the instance: a subclass of a Gradio component makes Gradio write a .pyi
+    file beside this one at every import."""
+    images = gr.File(file_count="multiple", visible=False, label="images")
+    into_cache = images.async_move_resource_to_block_cache
+
+    async def keeping_links(url_or_file_path):
+        if isinstance(url_or_file_path, str) and url_or_file_path.startswith(("http://", "https://")):
+            return example_picture(url_or_file_path) or url_or_file_path
+        return await into_cache(url_or_file_path)
+
+    images.async_move_resource_to_block_cache = keeping_links
+    images.example_payload = lambda: [handle_file(example)]
+    return images
+
+
+def wire(conversation: gr.State, session: list, answerer, settings):
     """session: the inputs that make a request (conversation, use_cache, the PARAMS controls)."""
 
     async def ask(request: gr.Request, images: list[str] | None, question: str, conversation: list,
@@ -18,10 +50,12 @@ def wire(conversation: gr.State, session: list, answerer):
                   top_k: int, greedy: bool, seed: int):
         """Answer a question about images, continuing this client's conversation. Streams (answer, status)."""
         lang = texts.language(request)
-        user = {"role": "user", "text": question or "", "images": list(images or [])}
         params = answerer.params((max_image_tokens, max_new_tokens, temperature, top_p, top_k, greedy, seed))
-        turns, who = answers.turns(conversation + [user]), answerer.who(request)
         try:
+            pictures = [await links.read(image, "images", settings.allow_image_urls, answerer.upload_limit)
+                        if image.startswith(("http://", "https://")) else image for image in images or []]
+            user = {"role": "user", "text": question or "", "images": pictures}
+            turns, who = answers.turns(conversation + [user]), answerer.who(request)
             async with contextlib.aclosing(answerer.answer(turns, params, use_cache, False, **who)) as updates:
                 async for update in updates:
                     if update.stats is not None:
@@ -39,7 +73,8 @@ def wire(conversation: gr.State, session: list, answerer):
         return []
 
     # No file_types: Gradio's refusal of a PDF is English; qvl's own says what to upload in the user's language.
-    images = gr.File(file_count="multiple", visible=False, label="images")
+    # The example names this machine; a client elsewhere may copy it as it is, since it is read from disk.
+    images = images_input(f"http://127.0.0.1:{settings.port}{FILE_ROUTE}{quote(str(ASSETS / 'chart.png'))}")
     question = gr.Textbox(visible=False, label="question")
     answer, status = gr.Textbox(visible=False, label="answer"), gr.Textbox(visible=False, label="status")
     gr.Button(visible=False).click(ask, [images, question, *session], [answer, status, conversation],

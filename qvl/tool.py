@@ -3,20 +3,30 @@
 Gradio makes a tool of every named endpoint, but 6.31 cannot serve the API's `ask` as one: its list of files reaches
 the MCP input check with a dangling `$ref` (every call with an image is refused), and its conversation output (a
 gr.State) makes Gradio's result handling fail. So the tool has an endpoint of its own, shaped for what Gradio's MCP
-server handles (one file in, text out), and agents see only it. Gradio calls every tool through one loopback client,
-so each call is a new conversation and the one-place rule cannot tell callers apart: tool calls are not held to it.
+server handles (text in, text out), and agents see only it. Its picture is a link that qvl reads as the OpenAI API
+does (a gr.File would have Gradio download it, refusing a link in its own words with a traceback in the log). Each
+call is a new conversation and tool calls cannot be told apart (they share no session), so they are not held to the
+one-place rule.
 """
 import contextlib
 import warnings
 
 import gradio as gr
 
-from qvl import answers, texts
+from qvl import answers, links, texts
 
 NAME, ENDPOINT = "ask", "/ask_tool"
 
 
-def wire(answerer):
+class Refusal(gr.Error):
+    """A gr.Error whose str() is its message: Gradio's MCP server gives the agent str(), which for gr.Error is repr()
+    (the message in quotes)."""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def wire(answerer, settings):
     # Gradio warns at start-up that a tool has a gr.State input: the API's `ask`, which agents are not offered.
     warnings.filterwarnings("ignore", message="This MCP server includes a tool that has a gr.State input")
 
@@ -28,23 +38,26 @@ def wire(answerer):
         wait for other users' answers.
 
         Args:
-            image: the picture, as an http(s) URL or a data: URL (PNG, JPEG, WebP or GIF)
+            image: the picture as a data: URL (PNG, JPEG, WebP or GIF), or its http(s) URL if the server takes links
             question: what to ask about the picture, in any language (English and Chinese work best)
         """
         lang, text = texts.language(request), ""
         try:
-            turns = answers.turns([{"role": "user", "text": question or "", "images": [image] if image else []}])
+            pictures = [await links.read(image, "image", settings.allow_image_urls, answerer.upload_limit)] if image \
+                else []
+            turns = answers.turns([{"role": "user", "text": question or "", "images": pictures}])
             async with contextlib.aclosing(answerer.answer(turns, answerer.gen, True, False)) as updates:
                 async for update in updates:
                     text = update.text
         except Exception as e:  # bad input or a full line: the agent reads the same message a user would
-            raise gr.Error(answers.problem(lang, e), print_exception=False) from None
+            raise Refusal(answers.problem(lang, e), print_exception=False) from None
         return text
 
-    image = gr.File(visible=False, label="image")
-    question, answer = gr.Textbox(visible=False, label="question"), gr.Textbox(visible=False, label="answer")
-    gr.Button(visible=False).click(ask, [image, question], answer, concurrency_limit=None,
-                                   api_name=ENDPOINT.lstrip("/"))
+    image, question = gr.Textbox(visible=False, label="image"), gr.Textbox(visible=False, label="question")
+    answer = gr.Textbox(visible=False, label="answer")
+    # Off Gradio's queue, its MCP server calls the function in-process; queued, it would call it over HTTP through a
+    # client of its own, which sends no key past the --api-key guard (qvl.doors). The line is qvl's own anyway.
+    gr.Button(visible=False).click(ask, [image, question], answer, queue=False, api_name=ENDPOINT.lstrip("/"))
 
 
 def offer(demo: gr.Blocks):

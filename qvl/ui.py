@@ -89,9 +89,9 @@ def build(answerer: Answerer, settings) -> gr.Blocks:
         session = [conversation, parts["use_cache"], *parts["controls"]]
         chat_tab.wire(chatbot, box, conversation, session, answerer)
         settings_tab.wire(parts, tab, demo, engine, cache, settings)
-        api.wire(conversation, session, answerer)
+        api.wire(conversation, session, answerer, settings)
         if settings.mcp:
-            tool.wire(answerer)
+            tool.wire(answerer, settings)
 
         def in_their_language(request: gr.Request):
             return chat_tab.welcome(texts.language(request))

@@ -8,10 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
+from qvl import texts
 from qvl.ui import ASSETS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,11 +47,13 @@ def app(launch_app):
         yield running
 
 
-def call(url: str, *requests: tuple[str, dict | None]) -> list:
-    """One MCP session: each (tool, arguments) request in turn, None arguments meaning list the tools."""
+def call(url: str, *requests: tuple[str, dict | None], headers: dict | None = None) -> list:
+    """One MCP session: each (tool, arguments) request in turn, None arguments meaning list the tools; headers go
+    with every request of the session."""
 
     async def session():
-        async with streamable_http_client(url + "gradio_api/mcp/") as (read, write, _), \
+        async with httpx.AsyncClient(headers=headers, timeout=120) as http, \
+                streamable_http_client(url + "gradio_api/mcp/", http_client=http) as (read, write, _), \
                 ClientSession(read, write) as client:
             await client.initialize()
             return [await (client.list_tools() if arguments is None else client.call_tool(tool, arguments))
@@ -70,6 +76,21 @@ def test_an_agent_finds_one_tool_described_for_it_and_gets_answers_and_clear_err
     assert refused.isError and "is not a picture this app can read" in refused.content[0].text
     assert not empty.isError  # a picture alone is a question: the model describes it
     assert "MCP server (streamable HTTP): " + app.url + "gradio_api/mcp/" in app.log.read_text()
+
+
+def test_a_link_is_refused_in_the_pages_words_without_a_traceback(app):
+    """Without --allow-image-urls no link is downloaded: the agent and a client of the `ask` API read why, in their
+    language, where Gradio's own download gave its generic error and a traceback."""
+    link = app.url + "favicon.ico"
+    logged = len(app.log.read_text())
+    [english] = call(app.url, ("ask", {"image": link, "question": "?"}))
+    [chinese] = call(app.url, ("ask", {"image": link, "question": "?"}), headers={"Accept-Language": "zh-CN"})
+    assert english.isError and english.content[0].text == texts.say("en", "image_url_off")
+    assert chinese.isError and chinese.content[0].text == texts.say("zh-CN", "image_url_off")
+    with pytest.raises(AppError) as refused:
+        Client(app.url, verbose=False).predict([handle_file(link)], "?", api_name="/ask")
+    assert refused.value.message == texts.say("en", "image_url_off")
+    assert "Traceback" not in app.log.read_text()[logged:]
 
 
 def test_the_readme_mcp_snippets_point_at_the_server_and_its_python_check_runs(app):
