@@ -1,6 +1,7 @@
 """One answer, as both the page and the API get it: from the cache at once, or after waiting in line, streamed.
 
-Also what the user reads about it: the quiet stats line under an answer, and the message when there is none.
+Also what the user reads about it: the quiet stats line under an answer, what to do when the model said nothing,
+and the message when there is no answer at all.
 """
 import asyncio
 import dataclasses
@@ -140,7 +141,20 @@ def problem(lang: str, error: Exception) -> str:
     return texts.say(lang, "failed")
 
 
+def no_answer(lang: str, update: Update) -> str:
+    """For a finished answer without text (the model stopped at once, or wrote only blank lines): what to do. Else
+    ""."""
+    return texts.say(lang, "no_answer") if update.stats is not None and not update.text.strip() else ""
+
+
 def stats_line(lang: str, update: Update) -> str:
+    """The status of a finished answer: no_answer's message for an empty one (beside its empty text it is all that an
+    API client reads), then its figures."""
+    return " · ".join(filter(None, (no_answer(lang, update), figures(lang, update))))
+
+
+def figures(lang: str, update: Update) -> str:
+    """The quiet line under a finished answer: its speed (or that it came from the cache), reuse, the token cap."""
     s = update.stats
     if update.cached_in is not None:
         return texts.say(lang, "from_cache", elapsed=update.cached_in, total=s["total_s"])

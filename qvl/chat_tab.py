@@ -1,7 +1,8 @@
 """The chat tab: the conversation, the input box (send turns into stop while answering), examples in the empty chat.
 
 A conversation is a list of entries {"role", "text", "images", "note"} kept in a gr.State; a user entry marked
-"pending" is one waiting for its answer, an entry marked "failed" is shown but never sent to the model.
+"pending" is one waiting for its answer, an entry marked "failed" is shown but never sent to the model, and an answer
+without text has an "empty" entry saying so.
 """
 import asyncio
 import contextlib
@@ -19,14 +20,15 @@ EXAMPLES = [("chart.png", "example_chart"), ("receipt.png", "example_receipt"), 
 
 
 def render(conversation: list[dict]) -> list[dict]:
-    """Chatbot messages: the images then the text of each user turn; each answer with its quiet stats line."""
+    """Chatbot messages: the images then the text of each user turn; each answer (or that there is none) with its
+    quiet stats line."""
     messages = []
     for e in conversation:
         if e["role"] == "user":
             content = [{"path": p} for p in e["images"]] + ([e["text"]] if e["text"] else [])
         else:
             note = f"<sub>{e['note']}</sub>" if e.get("note") else ""
-            content = "\n\n".join(part for part in (e["text"], note) if part)
+            content = "\n\n".join(part for part in (e["text"], e.get("empty"), note) if part)
         messages.append({"role": e["role"], "content": content})
     return messages
 
@@ -97,8 +99,9 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
                 async with contextlib.aclosing(answerer.answer(turns, params, use_cache, fresh, **who)) as updates:
                     async for update in until(stop, updates):
                         reply["text"], reply["done"] = update.text, update.stats is not None
-                        reply["note"] = answers.stats_line(lang, update) if update.stats else (
+                        reply["note"] = answers.figures(lang, update) if update.stats else (
                             texts.say(lang, "waiting", ahead=update.ahead) if update.ahead else "")
+                        reply["empty"] = answers.no_answer(lang, update)
                         yield conversation, render(conversation)
                 if stop.done():
                     conversation = [] if stop.result() == "clear" else stopped(conversation, lang)

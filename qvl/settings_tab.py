@@ -57,7 +57,7 @@ def draw(i18n: gr.I18n, engine, cache, settings) -> dict:
         parts["cancel"] = gr.Button(i18n("cancel"), size="sm", scale=0)
     with gr.Accordion(i18n("server"), open=False, elem_id="server"):
         parts["operator_only"] = gr.Markdown(i18n("operator_only"), visible=False, elem_id="operator-only")
-        parts["threads"] = gr.Slider(1, max(cpu.available_cores(), engine.threads, 8), value=engine.threads, step=1,
+        parts["threads"] = gr.Slider(1, max(cpu.available_cores(), engine.threads), value=engine.threads, step=1,
                                      label=i18n("threads"), elem_id="threads", interactive=False)
         parts["facts"] = gr.Markdown(elem_id="facts")
     return parts
@@ -75,8 +75,7 @@ def wire(parts: dict, tab: gr.Tab, demo: gr.Blocks, engine, cache, settings):
             threads=engine.threads, interop=settings.interop_threads, cores=cpu.available_cores())
         # A visitor learns what answers them, not where this server keeps its files or how its kernels are packed.
         model = engine.model_id if operator or not Path(engine.model_id).is_absolute() else Path(engine.model_id).name
-        rows = [("fact_model", f"`{model}`"), ("fact_precision", engine.precision if operator else
-                                               engine.precision.split(":")[0]),
+        rows = [("fact_model", f"`{model}`"), ("fact_precision", precision(text, operator)),
                 ("fact_threads", threads),
                 ("fact_cpu", " · ".join(filter(None, (cpu.model_name(), cpu.core(), flags)))),
                 ("fact_versions", versions)]
@@ -85,6 +84,15 @@ def wire(parts: dict, tab: gr.Tab, demo: gr.Blocks, engine, cache, settings):
             if engine.fallback:
                 rows.append(("fact_fallback", engine.fallback))
         return "\n".join(f"- **{text[k]}**: {v}" for k, v in rows)
+
+    def precision(text: dict, operator: bool) -> str:
+        """The mode ("int8", "remote"); for the operator what it means, in their language (engine.precision, which
+        the log and the answer cache's key use, is English)."""
+        mode, _, detail = engine.precision.partition(":")
+        if not operator:
+            return mode
+        key = f"precision_{mode}"
+        return text[key].format(detail=detail.strip()) if key in text else engine.precision
 
     def cache_status(request: gr.Request) -> str:
         text, info = texts.TEXT[texts.language(request)], cache.info()

@@ -44,6 +44,7 @@ TEXT = {
         "failed": "Something went wrong while answering. Please try again.",
         "not_operator": "Only the operator of this server can change this.",
         "stopped": "stopped",
+        "no_answer": "(the model gave no answer: rephrase the question, or press Retry for another try)",
         "forgotten": "⚠ The server no longer remembers the earlier messages (many visitors came after your last "
                      "one), so this starts a new conversation.",
         "stats": "first token {ttft:.2f} s · {tps:.1f} tok/s · {image_tokens} image tokens · {total:.1f} s total",
@@ -53,12 +54,22 @@ TEXT = {
         "memory_line": "Conversation memory: {state} · {entries} kept · {size:.0f} of {limit:.0f} MB · "
                        "{hits} hits · {reused} prompt tokens reused\n\nImage features: {features} · {feature_hits} hits",
         "features_line": "{memory} in memory, {disk} on disk", "memory_off": "off",
-        "cache_line": "{state} · {entries} answers · {size:.1f} MB · {hits} hits · {misses} misses",
+        "cache_line": "Answer cache: {state} · {entries} answers · {size:.1f} MB · {hits} hits · {misses} misses",
         "on": "on", "off": "off", "broken": "unusable, answering without it",
         "fact_model": "Model", "fact_precision": "Precision / quantization", "fact_threads": "Threads",
         "fact_threads_value": "{threads} intra-op · {interop} inter-op (fixed at start-up) · {cores} cores available",
         "fact_cpu": "CPU", "fact_versions": "Versions", "fact_fallback": "Fallback reason",
         "fact_cache_dir": "Answer cache folder",
+        # What the operator reads for each precision of qvl.quant (the log and the cache key keep quant.describe's).
+        "precision_int8": "int8: int8 weights and activations (fbgemm, a scale per token) in every linear and the "
+                          "head, loud text channels computed apart, token table in bf16",
+        "precision_w8a14": "w8a14: as int8, but each decode row's activations in two int8 parts (14 bits), and the "
+                           "first text layers' weights too",
+        "precision_int4": "int4: text weights in int4 for decoding (int8 for prompts), vision tower in int8, a scale "
+                          "per token, loud text channels computed apart, token table in bf16",
+        "precision_w8a16": "w8a16: int8 weights (a scale per row) with bf16 activations in every linear and the head, "
+                           "loud text channels computed apart, token table in bf16",
+        "precision_remote": "answered by the model server at {detail}",
         # The user's input, refused with what to do about it.
         "not_found": "{name}: file not found; please upload it again.",
         "empty_file": "{name} is empty; please upload a PNG, JPEG, WebP or GIF picture.",
@@ -132,6 +143,7 @@ TEXT = {
         "failed": "回答时出错，请重试。",
         "not_operator": "只有本服务器的管理员可以修改此项。",
         "stopped": "已停止",
+        "no_answer": "（模型没有给出回答：请换个说法提问，或点“重试”再试一次）",
         "forgotten": "⚠ 服务器已不再记得之前的消息（在您上次提问后来了很多访客），以下是一个新的对话。",
         "stats": "首个 token {ttft:.2f} 秒 · {tps:.1f} token/秒 · 图片 {image_tokens} token · "
                  "共 {total:.1f} 秒",
@@ -141,12 +153,20 @@ TEXT = {
         "memory_line": "对话记忆：{state} · 保留 {entries} 段 · {size:.0f} / {limit:.0f} MB · "
                        "命中 {hits} · 已复用 {reused} 个提示 token\n\n图片特征：{features} · 命中 {feature_hits}",
         "features_line": "内存中 {memory} 个，磁盘上 {disk} 个", "memory_off": "关闭",
-        "cache_line": "{state} · {entries} 条回答 · {size:.1f} MB · 命中 {hits} · 未命中 {misses}",
+        "cache_line": "回答缓存：{state} · {entries} 条回答 · {size:.1f} MB · 命中 {hits} · 未命中 {misses}",
         "on": "开启", "off": "关闭", "broken": "不可用，暂不使用缓存",
         "fact_model": "模型", "fact_precision": "精度 / 量化", "fact_threads": "线程",
         "fact_threads_value": "算子内 {threads} · 算子间 {interop}（启动时固定） · 可用核心 {cores}",
         "fact_cpu": "CPU", "fact_versions": "版本", "fact_fallback": "后备原因",
         "fact_cache_dir": "回答缓存目录",
+        "precision_int8": "int8：所有线性层和输出头的权重与激活均为 int8（fbgemm，每个 token 一个缩放因子），"
+                          "文本中数值特别大的通道单独计算，词嵌入表为 bf16",
+        "precision_w8a14": "w8a14：同 int8，但解码时每行激活拆成两个 int8 部分（14 位），前几个文本层的权重也拆成两部分",
+        "precision_int4": "int4：解码时文本权重为 int4（处理提示时为 int8），视觉部分为 int8，每个 token 一个缩放因子，"
+                          "文本中数值特别大的通道单独计算，词嵌入表为 bf16",
+        "precision_w8a16": "w8a16：所有线性层和输出头为 int8 权重（每行一个缩放因子）配 bf16 激活，"
+                           "文本中数值特别大的通道单独计算，词嵌入表为 bf16",
+        "precision_remote": "由 {detail} 的模型服务器回答",
         "not_found": "{name}：找不到文件，请重新上传。",
         "empty_file": "{name} 是空文件，请上传 PNG、JPEG、WebP 或 GIF 图片。",
         "not_image": "无法读取 {name}，它不是本应用能识别的图片，请上传 PNG、JPEG、WebP 或 GIF 图片。",

@@ -12,6 +12,8 @@ from qvl.chat_tab import ASSETS
 
 I18N = gr.I18n(**texts.TEXT)
 # Uploaded pictures are thumbnails in the history (a click opens them full size); the input box stays at hand.
+# Gradio hides its footer's "Use via API" on narrow screens, where a phone's user may want it as much: shown always
+# (outside a @media block, since Gradio confines the rules in one to its .contain, which the footer is not in).
 CSS = """
 #chatbot .message img { max-height: 10rem; width: auto; object-fit: contain; cursor: zoom-in; }
 #chatbot .example-image-container, #chatbot .example-image-container img { width: 6rem; height: 6rem; }
@@ -23,6 +25,8 @@ CSS = """
   #chatbot .examples { display: grid; grid-template-columns: 1fr 1fr; gap: 0.5rem; }
   #chatbot .example-image-container, #chatbot .example-image-container img { width: 3.5rem; height: 3.5rem; }
 }
+footer .show-api { display: flex !important; }
+footer .show-api-divider { display: block !important; }
 """
 
 # Gradio's chatbot has no full-size view of a picture in the history: a click on a thumbnail opens one, any click or

@@ -68,6 +68,17 @@ def test_a_repeated_question_is_answered_from_the_cache(app):
     assert again[0] == first[0] and "answered from cache" in again[1]
 
 
+def test_an_empty_answer_comes_with_a_note_in_its_status_and_is_asked_again_not_cached(app):
+    # Greedy, the tiny model writes only blank lines: nothing a user could read.
+    question = dict(question="Say nothing?", greedy=True, max_new_tokens=8, api_name="/ask")
+    first = Client(app.url, verbose=False).predict([handle_file(CHART)], **question)
+    again = Client(app.url, verbose=False).predict([handle_file(CHART)], **question)
+    for answer, status in (first, again):
+        assert not answer.strip()  # the model's text as it is, never a message in its place
+        assert status.startswith("(the model gave no answer: rephrase the question, or press Retry")
+        assert "tok/s" in status  # computed each time: an empty answer is not cached
+
+
 def test_a_cached_answer_does_not_wait_behind_running_generations(app):
     clients = [Client(app.url, verbose=False) for _ in range(3)]
     clients[0].predict([handle_file(CHART)], "Count the bars.", api_name="/ask")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qvl import modelcache, settings
+from qvl import modelcache, quant, settings
 from qvl.engine import Engine
 from qvl.ui import ASSETS
 from test_openai_api import serving
@@ -118,9 +118,31 @@ def test_upload_ask_stream_stop_and_change_threads(browser, app):
     threads.press("Enter")
     page.wait_for_selector("#facts >> text=2 intra-op")
     assert page.locator("#facts >> text=Answer cache folder").count() == 1
+    assert page.locator("#cache-status >> text=Answer cache: on").count() == 1
     assert page.locator("#cache-status >> text=Conversation memory: on").count() == 1
     assert "hits" in page.locator("#cache-status").inner_text().split("Conversation memory:")[1]
     shoot(page, "screenshot-settings.png", full_page=True)
+
+
+def test_an_empty_answer_says_so_above_its_stats_line(browser, engine, tmp_path):
+    engine.ready.set()
+    with serving(engine, tmp_path, "--greedy", "--max-new-tokens", "4") as url:  # greedy: only blank lines
+        page = open_page(browser, type("App", (), {"url": url}))
+        send(page, "Say nothing?")
+        page.wait_for_function("() => document.querySelector('#chatbot [data-testid=bot]')?.innerText"
+                               ".includes('total')")
+        said = [line for line in answer(page).splitlines() if line.strip()]
+        assert said[0] == "(the model gave no answer: rephrase the question, or press Retry for another try)"
+        assert said[1].startswith("first token") and len(said) == 2
+        assert "no answer" not in page.locator("#chatbot [data-testid=bot] sub").inner_text()  # not small print
+
+
+def test_a_phone_offers_the_api_link_too(browser, app):
+    page = open_page(browser, app, width=390)
+    link = page.locator("footer").get_by_role("button", name="Use via API")
+    assert link.is_visible()
+    box = link.bounding_box()
+    assert box["x"] >= 0 and box["x"] + box["width"] <= 390  # on the screen, not pushed off its side
 
 
 def test_a_second_app_in_front_of_the_first_streams_and_stop_ends_the_answer_on_both(browser, engine, launch_app,
@@ -202,6 +224,19 @@ def test_the_page_speaks_the_browsers_language(browser, app, tmp_path):
     page.get_by_role("tab", name="设置").click()
     page.locator("#server").get_by_text("本服务器", exact=True).click()
     page.wait_for_selector("#facts >> text=算子内")
+
+
+def test_the_operator_of_a_quantized_model_reads_its_settings_in_their_language(browser, engine, tmp_path,
+                                                                                monkeypatch):
+    monkeypatch.setattr(engine, "precision", quant.describe("w8a14"))  # what the log and the cache key name
+    engine.ready.set()
+    with serving(engine, tmp_path) as url:
+        page = open_page(browser, type("App", (), {"url": url}), locale="zh-CN")
+        page.get_by_role("tab", name="设置").click()
+        page.locator("#server").get_by_text("本服务器", exact=True).click()
+        page.wait_for_selector("#facts >> text=w8a14：同 int8")
+        assert "fbgemm int8 linears" not in page.locator("#facts").inner_text()
+        assert page.locator("#cache-status >> text=回答缓存：开启").count() == 1
 
 
 def test_a_visitor_sees_server_settings_read_only_and_an_admin_can_change_them(browser, launch_app):
