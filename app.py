@@ -79,7 +79,7 @@ def serve(engine, config):
 
     answerer = answers.Answerer(engine, cache.AnswerCache(config.cache_dir, config.cache_size, enabled=config.cache),
                                 config)
-    demo = ui.build(answerer, config)
+    demo, guard = ui.build(answerer, config), doors.guard(config)
     # SIGTERM (docker stop, Spaces restarts, systemd) closes the server the way Ctrl+C does, and exits 0.
     signal.signal(signal.SIGTERM, lambda *_: demo.close())
     # Gradio's own start-up text suggests `share=True` in launch(); quiet, and the app says it in its own terms.
@@ -90,15 +90,18 @@ def serve(engine, config):
         quiet=True, prevent_thread_lock=True, **ui.page_assets(),
         # The OpenAI API on the same port; routes given to the app first are matched before Gradio's own. With
         # --api-key and no --auth, the key guards every door.
-        app_kwargs={"routes": openai_api.routes(answerer, config), "middleware": doors.guard(config)},
+        app_kwargs={"routes": openai_api.routes(answerer, config), "middleware": guard},
     )
     cpu.release_collector()  # the imports are done
     # The page serves at once and says it is warming up; questions asked meanwhile wait in line for the engine.
     threading.Thread(target=engine.warm_up, args=ui.warm_up_request(), name="warm-up", daemon=True).start()
     threading.Thread(target=lambda: engine.ready.wait() and sys.setswitchinterval(cpu.SERVING_SWITCH_S),
                      name="ready", daemon=True).start()  # the GIL's usual hand-over once the model is in and warmed up
-    log.info("qvl is up: open %s in a browser%s", demo.local_url,
-             "" if engine.ready.is_set() else " (questions asked while the model loads and warms up wait in line)")
+    waiting = "" if engine.ready.is_set() else " (questions asked while the model loads and warms up wait in line)"
+    if guard:  # no page for browsers: every client sends the key
+        log.info("qvl is up at %s for clients that send the key%s", demo.local_url, waiting)
+    else:
+        log.info("qvl is up: open %s in a browser%s", demo.local_url, waiting)
     if config.mcp:
         tool.offer(demo)
         log.info("MCP server (streamable HTTP): %s/gradio_api/mcp/", (demo.share_url or demo.local_url).rstrip("/"))

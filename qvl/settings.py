@@ -155,8 +155,9 @@ _HELP = {
     "max_sessions": "conversations kept in memory (browser tabs, API clients); past this the least recently "
                     "active is forgotten",
     "upload_hours": "uploaded images are deleted this many hours after upload (0 keeps them until restart)",
-    "api_key": "key that clients of the OpenAI-compatible API (/v1) must send as 'Authorization: Bearer KEY'; "
-               "with --auth, each 'user:password' is also a key",
+    "api_key": "key that clients send as 'Authorization: Bearer KEY': without --auth every door needs it (the "
+               "page, Gradio's API, MCP, files, /v1); with --auth, the OpenAI API (/v1), where each 'user:password' "
+               "is also a key",
     "backend": "URL of an OpenAI-compatible server (vLLM, llama-server, another qvl: http://host:port/v1) that "
                "answers instead of a model loaded here; --model, --quant and the CPU settings then do nothing",
     "backend_model": "model name to ask the backend for (default: the first it lists)",

@@ -47,6 +47,8 @@ def test_a_browser_reads_that_the_page_needs_auth_in_its_language(app):
         page = httpx.get(app.url, headers={"Accept": "text/html", "Accept-Language": lang})
         assert page.status_code == 401 and page.headers["www-authenticate"] == "Bearer"
         assert texts.say(lang, "api_key") in page.text and texts.say(lang, "page_needs_auth") in page.text
+    log = app.log.read_text()  # the operator is not sent to a page that refuses browsers
+    assert f"qvl is up at {app.url.rstrip('/')}" in log and "open http" not in log and "add --auth" in log
 
 
 def test_clients_that_send_the_key_get_answers_from_gradios_api_and_the_mcp_tool(app):
