@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 
 from qvl import texts
-from qvl.cache import parse_size
+from qvl.sizes import parse_size
 from qvl.conversation import EngineError, Turn
 from qvl.images import InputError
 from qvl.line import Busy, Line, Taken

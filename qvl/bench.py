@@ -22,7 +22,6 @@ Scenarios measure conversation memory: each request's time to first token after 
 and its answer), then the same request cold, with everything kept forgotten, in the same process.
 """
 import argparse
-import dataclasses
 import json
 import os
 import resource

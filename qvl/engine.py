@@ -17,7 +17,7 @@ from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from qvl import conversation, cpu, features, generate, heap, images, jit, kv, modelcache, quant, texts, tiny
-from qvl.cache import parse_size
+from qvl.sizes import parse_size
 from qvl.conversation import Stats, Turn
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
@@ -164,9 +164,9 @@ class Engine:
         --require-model."""
         reason = f"could not load {self.settings.model!r}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
         if self.settings.require_model:
-            fixes = (f"give --model the folder that holds the checkpoint's config.json and *.safetensors"
+            fixes = ("give --model the folder that holds the checkpoint's config.json and *.safetensors"
                      if os.path.isdir(self.settings.model) else
-                     f"connect to the internet so the weights can download, download them with "
+                     "connect to the internet so the weights can download, download them with "
                      f"`hf download {self.settings.model}`, or pass --model /path/to/local/folder")
             raise ModelUnavailable(f"{reason}\nFixes: {fixes}. Without --require-model the app serves a tiny "
                                    "offline model instead.") from error

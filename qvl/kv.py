@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from transformers import DynamicCache
 
-from qvl.cache import parse_size
+from qvl.sizes import parse_size
 
 
 def auto_limit(cgroup: str = "/sys/fs/cgroup/memory.max") -> int:

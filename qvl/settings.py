@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from qvl import __version__, cpu
-from qvl.cache import parse_size
+from qvl.sizes import parse_size
 
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 SECRETS = ("auth", "api_key", "backend_key")  # never shown in --help

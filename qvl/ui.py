@@ -7,7 +7,7 @@ import gradio as gr
 
 from qvl import api, chat_tab, settings_tab, texts, tool
 from qvl.answers import Answerer
-from qvl.cache import parse_size
+from qvl.sizes import parse_size
 from qvl.chat_tab import ASSETS
 
 I18N = gr.I18n(**texts.TEXT)

@@ -14,7 +14,8 @@ import diskcache
 import pytest
 from PIL import Image
 
-from qvl.cache import AnswerCache, parse_size
+from qvl.cache import AnswerCache
+from qvl.sizes import parse_size
 from qvl.engine import Stats, Turn
 from qvl.images import ImageError
 from qvl.settings import GenParams
@@ -272,12 +273,12 @@ def test_a_bad_size_is_a_clear_error(text):
 
 @pytest.mark.parametrize("free, limit", [(10 << 30, (10 << 30) // 20), (100 << 30, 2 << 30), (1 << 20, 16 << 20)])
 def test_the_default_size_is_a_fraction_of_the_free_disk_capped_at_2gb(tmp_path, monkeypatch, free, limit):
-    from qvl import cache
-    from qvl.cache import auto_size
+    from qvl import sizes
+    from qvl.sizes import auto_size
 
     # A fixed free space: the disk's own changes between two readings (the cache's first write) made this test fail
     # whenever 5% of it was under the cap.
     asked = []
-    monkeypatch.setattr(cache.shutil, "disk_usage", lambda path: asked.append(path) or SimpleNamespace(free=free))
+    monkeypatch.setattr(sizes.shutil, "disk_usage", lambda path: asked.append(path) or SimpleNamespace(free=free))
     assert auto_size(str(tmp_path / "not" / "yet" / "made")) == limit and asked == [str(tmp_path)]
     assert AnswerCache(str(tmp_path / "c")).size_limit == limit

@@ -197,7 +197,7 @@ def test_a_bad_spaces_port_is_a_usage_error_not_a_traceback():
 
 def test_version_prints_the_one_version_string():
     code, out, _, imported = run_app("--version")
-    assert code == 0 and out == f"qvl {qvl.__version__}\n" and not {"torch", "gradio"} & imported
+    assert code == 0 and out == f"qvl {qvl.__version__}\n" and not {"torch", "gradio", "diskcache", "PIL"} & imported
 
 
 def test_default_threads_follow_the_cgroup_quota(tmp_path):
