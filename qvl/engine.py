@@ -415,23 +415,23 @@ class Engine:
     def _prefill(self, inputs: dict, new_tokens: int) -> tuple[dict, tuple, int, int]:
         """The first model call's inputs, the prompt's content (see kv.content), prompt tokens reused, images cached.
 
-        With both stores off it is the processor's output, as it always was. Otherwise only the part of the prompt
-        that no kept cache holds is prefilled, after a copy of that cache; its images come from the feature store
+        With both stores off it is the processor's output and the prompt's positions. Otherwise only the part of the
+        prompt that no kept cache holds is prefilled, after a copy of that cache; its images come from the feature store
         or the vision tower. Positions are the whole prompt's M-RoPE positions from the model's own get_rope_index,
         cut to that part, and the model's rope_deltas (what decode steps add to the cache length to get their
         positions, kept on the model object by transformers) are set for this prompt, so another conversation's
         never reach this one.
         """
-        if self.kv is None and self.features is None:
-            return inputs, (), 0, 0
         ids, grids = inputs["input_ids"], inputs.get("image_grid_thw")
+        positions, self.model.model.rope_deltas = self.model.model.get_rope_index(
+            ids, inputs["mm_token_type_ids"], grids)
+        if self.kv is None and self.features is None:  # transformers keeps an image prompt's offsets for a text one
+            return {**inputs, "position_ids": positions}, (), 0, 0
         pictures = self._images(inputs)
         prompt = kv.content(ids[0].tolist(), self.model.config.image_token_id, pictures)
         cache, start = (None, 0) if self.kv is None else self.kv.take(prompt)
         if self.kv is not None:
             self.kv.reserve(kv.per_token_bytes(self.model) * (len(prompt) + new_tokens))
-        positions, self.model.model.rope_deltas = self.model.model.get_rope_index(
-            ids, inputs["mm_token_type_ids"], grids)
         # Images wholly after start: kv.Store.take never ends a prefix inside one.
         first = kv.images_in(prompt[:start])
         encoded, cached = self._image_features(inputs, pictures, first) if first < len(pictures) else (None, 0)

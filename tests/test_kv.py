@@ -263,3 +263,12 @@ def test_a_mode_that_decodes_on_other_weights_keeps_only_what_its_prompts_comput
         assert engine.kv.info()["entries"] == 1
         kept = next(iter(engine.kv._entries.values()))
         assert len(kept.content) == kept.cache.get_seq_length() == (prompt + 5 if keeps_answer else prompt), mode
+
+
+def test_with_every_store_off_a_text_question_after_an_image_one_decodes_at_its_own_positions(cold, make_engine):
+    """The M-RoPE offsets an image prompt leaves on the model must not move a later text prompt's decode steps."""
+    text = [Turn("user", "Hello there, how are you?")]
+    list(cold.chat([Turn("user", "What is in this picture?", (picture(),))], GREEDY))
+    after_image, _, ids = bench.forced_chat(cold, text, None, 8)
+    fresh, _, _ = bench.forced_chat(make_engine("--kv-memory", "0", "--feature-cache-size", "0"), text, ids, 8)
+    assert (after_image - fresh).abs().max() < TOL
