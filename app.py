@@ -6,7 +6,8 @@ import sys
 import tempfile
 import threading
 
-from qvl import cpu, heap, settings  # light: --help and a flag error answer before torch and gradio load (seconds)
+from qvl import settings
+from qvl.engine import cpu, heap  # light: --help and a flag error answer before torch and gradio load (seconds)
 
 log = logging.getLogger("qvl")
 
@@ -48,18 +49,18 @@ def run(config) -> bool:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes, one line each
     if not config.backend:
-        from qvl import modelcache
+        from qvl.engine import modelcache
 
         sys.setswitchinterval(cpu.LOADING_SWITCH_S)  # until warmed up
         # A stored quantized model is read and packed (fbgemm releases the GIL) while the imports below run.
         ahead = modelcache.read_ahead(config)
     log.info("CPU: %s", cpu.describe())
     if config.backend:  # a model server elsewhere answers: no torch here
-        from qvl.remote import RemoteEngine
+        from qvl.engine.remote import RemoteEngine
 
         engine = RemoteEngine(config)  # which logs its model once the backend names it
     else:
-        from qvl.engine import Engine
+        from qvl.engine.local import Engine
 
         engine = Engine(config, ahead, background=True)  # the page serves while the weights load
         log.info("model %s, %s, %d threads", engine.model_id, engine.precision, engine.threads)
@@ -75,7 +76,7 @@ def run(config) -> bool:
 
 def serve(engine, config):
     """The page, the OpenAI API and the warm-up, until Ctrl+C or SIGTERM."""
-    from qvl import answers, cache, doors, idle, openai_api, tool, ui
+    from qvl.serve import answers, cache, doors, idle, openai_api, tool, ui
 
     answerer = answers.Answerer(engine, cache.AnswerCache(config.cache_dir, config.cache_size, enabled=config.cache),
                                 config)

@@ -72,7 +72,7 @@ def shapes() -> Image.Image:
     return image
 
 
-# The questions asked about them live with the examples in qvl/ui.py.
+# The questions asked about them live with the examples in qvl/serve/ui.py.
 IMAGES = {"chart.png": chart, "receipt.png": receipt, "scene.png": scene, "shapes.png": shapes}
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What every engine takes and gives, the local one (qvl.engine) and a remote one (qvl.remote) alike: Turns in, text
+"""What every engine takes and gives, the local one (qvl.engine.local) and a remote one (qvl.engine.remote) alike: Turns in, text
 pieces then one Stats out. Light: the page imports it, and a server fronting a remote engine never loads torch."""
 from dataclasses import dataclass
 

@@ -8,7 +8,8 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 
-from qvl import __version__, cpu
+from qvl import __version__
+from qvl.engine import cpu
 from qvl.sizes import parse_size
 
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -52,10 +53,10 @@ class Settings:
     cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "answers"))
     cache_size: str = "auto"  # 5% of the free disk, at most 2 GiB
     model_cache: bool = True
-    jit: bool = True  # numba kernels for the decode step (qvl.jit), compiled in the background once serving
+    jit: bool = True  # numba kernels for the decode step (qvl.engine.jit), compiled in the background once serving
     model_cache_dir: str = field(
         default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "qvl", "models"))
-    kv_memory: str = "auto"  # an eighth of the RAM, at most 4 GiB (qvl.kv.auto_limit)
+    kv_memory: str = "auto"  # an eighth of the RAM, at most 4 GiB (qvl.engine.kv.auto_limit)
     feature_cache_size: str = "auto"  # as cache_size
     queue_size: int = 16
     max_file_size: str = "20mb"

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from qvl import bench, jit, settings, stress, tiny
-from qvl.engine import Engine
+from qvl import settings
+from qvl.engine import jit, tiny
+from qvl.engine.local import Engine
+from qvl.tools import bench, stress
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +82,7 @@ def numba_cache(tmp_path_factory):
 
 @pytest.fixture(params=["torch", "jit"])
 def kernels(request, engine, monkeypatch):
-    """Decode on torch's ops, or on qvl.jit's numba kernels; gives the choice and the names of the kernels called
+    """Decode on torch's ops, or on qvl.engine.jit's numba kernels; gives the choice and the names of the kernels called
     (proof that they ran). No engine's background work may warm the kernels meanwhile: it would switch them on
     mid-test (an earlier test's engine, still warming, did so in a CI run), so the test holds warm()'s lock."""
     engine.settled.wait()

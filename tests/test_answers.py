@@ -4,8 +4,9 @@ import threading
 
 import pytest
 
-from qvl import answers, settings
-from qvl.line import Busy, Line
+from qvl import settings
+from qvl.serve import answers
+from qvl.serve.line import Busy, Line
 
 
 class SlowEngine:

@@ -7,9 +7,10 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
-from qvl import settings, stress
-from qvl.engine import Engine
-from qvl.ui import ASSETS
+from qvl import settings
+from qvl.engine.local import Engine
+from qvl.serve.ui import ASSETS
+from qvl.tools import stress
 from test_engine import broken_copy
 
 CHART = str(ASSETS / "chart.png")
@@ -255,7 +256,7 @@ def test_weights_that_fail_to_load_after_the_page_is_up_stop_a_require_model_app
 STOPPED_WHILE_LOADING = """
 import os, signal, sys, threading, time
 import httpx, torch
-from qvl import modelcache
+from qvl.engine import modelcache
 big = torch.ones(800, 800)
 modelcache.load = lambda *a: [big @ big for _ in range(100000)]  # a load inside torch, op after op: minutes
 import app
@@ -292,7 +293,7 @@ def test_an_app_stopped_while_its_weights_load_exits_at_once_and_cleanly(tiny_di
 START_TUNING = """
 import gc, os, signal, sys, threading, time
 import httpx
-from qvl import cpu, modelcache
+from qvl.engine import cpu, modelcache
 import app
 seen, load = [], modelcache.load
 modelcache.load = lambda *a, **k: seen.append(sys.getswitchinterval()) or load(*a, **k)

@@ -7,7 +7,9 @@ import threading
 import pytest
 import torch
 
-from qvl import bench, jit, quant, settings
+from qvl import settings
+from qvl.engine import jit, quant
+from qvl.tools import bench
 
 
 def test_sqnr_is_infinite_for_identical_logits_and_low_for_noise():
@@ -22,7 +24,7 @@ def test_sqnr_is_infinite_for_identical_logits_and_low_for_noise():
 
 
 def test_decode_bytes_shrink_with_quantization(tiny_dir):
-    from qvl import quant
+    from qvl.engine import quant
     fp32 = bench.decode_bytes(quant.load_model(str(tiny_dir), "fp32"))
     int4 = bench.decode_bytes(quant.load_model(str(tiny_dir), "int4"))
     assert 0.1 * fp32 < int4 < 0.3 * fp32
@@ -107,14 +109,14 @@ def test_step_overhead_is_the_step_without_its_matmuls_and_leaves_the_model_as_i
 
 
 def test_step_overhead_is_measured_in_a_bf16_model_too(tiny_dir):
-    from qvl import quant
+    from qvl.engine import quant
     model = quant.load_model(str(tiny_dir), "bf16")
     split = bench.step_split(model, 20, steps=2)  # the stubs answer in the model's own dtype
     assert split["step_ms"] > 0 and split["step_overhead_ms"] > 0
 
 
 def _standard_inputs(tiny_dir):
-    from qvl.engine import Engine
+    from qvl.engine.local import Engine
     engine = Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache", "--kv-memory", "0",
                                     "--feature-cache-size", "0"], env={}))
     params = settings.GenParams(greedy=True, max_new_tokens=6, min_new_tokens=6, max_image_tokens=320)
@@ -122,7 +124,7 @@ def _standard_inputs(tiny_dir):
 
 
 def test_fidelity_logits_are_the_answer_s_own_in_fp32(tiny_dir):
-    from qvl import generate, quant
+    from qvl.engine import generate, quant
     model = quant.load_model(str(tiny_dir), "fp32")
     inputs = _standard_inputs(tiny_dir)
     params = settings.GenParams(greedy=True, max_new_tokens=6, min_new_tokens=6)
@@ -140,7 +142,7 @@ def test_fidelity_logits_are_the_answer_s_own_in_fp32(tiny_dir):
 
 
 def test_fidelity_of_int4_goes_through_its_decode_kernel(tiny_dir, monkeypatch):
-    from qvl import quant
+    from qvl.engine import quant
     model = quant.load_model(str(tiny_dir), "int4")
     rows = []
     forward = quant.Int4Linear.forward

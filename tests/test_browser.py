@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from qvl import modelcache, quant, settings
-from qvl.engine import Engine
-from qvl.ui import ASSETS
+from qvl import settings
+from qvl.engine import modelcache, quant
+from qvl.engine.local import Engine
+from qvl.serve.ui import ASSETS
 from test_openai_api import serving
 from test_remote import ended
 from test_robustness import watch

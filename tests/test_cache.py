@@ -14,11 +14,11 @@ import diskcache
 import pytest
 from PIL import Image
 
-from qvl.cache import AnswerCache
-from qvl.sizes import parse_size
-from qvl.engine import Stats, Turn
+from qvl.conversation import Stats, Turn
 from qvl.images import ImageError
+from qvl.serve.cache import AnswerCache
 from qvl.settings import GenParams
+from qvl.sizes import parse_size
 
 MODEL = "tiny@abc|fp32"
 DONE = Stats(prompt_tokens=10, image_tokens=4, new_tokens=3, ttft_s=0.5, decode_tok_s=6.0, total_s=1.0, stopped=False)
@@ -185,7 +185,7 @@ def test_values_are_stored_as_json_and_pickles_are_never_loaded(tmp_path):
 def test_two_processes_share_one_directory(tmp_path):
     child = subprocess.Popen(
         [sys.executable, "-c", (
-            "import sys; from qvl.cache import AnswerCache; from qvl.engine import Stats\n"
+            "import sys; from qvl.serve.cache import AnswerCache; from qvl.conversation import Stats\n"
             "DONE = Stats(1, 0, 1, 0.1, 1.0, 0.1, stopped=False)\n"
             "cache = AnswerCache(sys.argv[1]); print('ready', flush=True)\n"
             "assert all(cache.put(f'child{i}', f'c{i}', DONE) for i in range(300))\n"

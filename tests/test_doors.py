@@ -13,8 +13,9 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError, AuthenticationError
 
-from qvl import api, texts
-from qvl.ui import ASSETS
+from qvl import texts
+from qvl.serve import api
+from qvl.serve.ui import ASSETS
 from test_mcp import CHART as CHART_URL, call
 from test_openai_api import KEY, ready, serving
 

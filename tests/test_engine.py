@@ -8,8 +8,10 @@ import pytest
 import torch
 from PIL import Image
 
-from qvl import images, modelcache, settings
-from qvl.engine import Engine, ModelUnavailable, Stats, Turn
+from qvl import images, settings
+from qvl.conversation import Stats, Turn
+from qvl.engine import modelcache
+from qvl.engine.local import Engine, ModelUnavailable
 from qvl.images import InputError
 
 GREEDY = settings.GenParams(greedy=True, max_new_tokens=24, min_new_tokens=24)
@@ -149,7 +151,7 @@ def test_a_context_limit_below_the_models_is_named_as_the_servers(tiny_dir):
 
 
 def test_offline_fallback_serves_the_tiny_model(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr("qvl.engine.TINY_DIR", tmp_path / "tiny")
+    monkeypatch.setattr("qvl.engine.local.TINY_DIR", tmp_path / "tiny")
     (tmp_path / "no-checkpoint").mkdir()  # a folder that does not exist is a usage error instead
     missing = str(tmp_path / "no-checkpoint")
     engine = Engine(settings.parse(["--model", missing, "--quant", "fp32"], env={}))
@@ -173,7 +175,7 @@ def test_require_model_turns_the_fallback_into_an_error_naming_the_fixes(tmp_pat
 def test_hub_id_without_network_or_local_copy_falls_back_at_once(tmp_path, monkeypatch):
     import huggingface_hub.constants as hub
 
-    monkeypatch.setattr("qvl.engine.TINY_DIR", tmp_path / "tiny")
+    monkeypatch.setattr("qvl.engine.local.TINY_DIR", tmp_path / "tiny")
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached
     monkeypatch.setattr(hub, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
     engine = Engine(settings.parse(["--quant", "fp32"], env={}))
@@ -186,7 +188,7 @@ def test_hub_id_without_network_or_local_copy_falls_back_at_once(tmp_path, monke
 EXIT_WHILE_WARMING = """
 import sys, threading, time, torch
 from qvl import settings
-from qvl.engine import Engine
+from qvl.engine.local import Engine
 engine = Engine(settings.parse(["--model", sys.argv[1], "--quant", "fp32", "--no-cache", "--cache-dir", sys.argv[2]],
                                env={}))
 big = torch.ones(800, 800)
@@ -234,7 +236,7 @@ def test_a_background_engine_is_described_at_once_and_answers_once_its_weights_a
 
 def test_weights_that_fail_to_load_in_the_background_fall_back_to_the_tiny_model(tiny_dir, tmp_path, monkeypatch,
                                                                                caplog):
-    monkeypatch.setattr("qvl.engine.TINY_DIR", tmp_path / "tiny")
+    monkeypatch.setattr("qvl.engine.local.TINY_DIR", tmp_path / "tiny")
     broken = str(broken_copy(tiny_dir, tmp_path / "broken"))
     late = Engine(settings.parse(["--model", broken, "--quant", "fp32", "--no-cache"], env={}), background=True)
     assert late._wait_loaded() and late.fallback and broken in late.fallback
@@ -245,7 +247,7 @@ def test_weights_that_fail_to_load_in_the_background_fall_back_to_the_tiny_model
 BACKGROUND = """
 import logging, sys, time
 from qvl import settings
-from qvl.engine import Engine
+from qvl.engine.local import Engine
 logging.basicConfig(level=logging.INFO)  # as the app logs
 engine = Engine(settings.parse(["--model", sys.argv[1], "--quant", "fp32", "--no-cache", "--cache-dir", sys.argv[2],
                                 *sys.argv[3:]], env={}), background=True)

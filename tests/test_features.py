@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from qvl import features
-from qvl.engine import Turn
+from qvl.conversation import Turn
+from qvl.engine import features
 from test_engine import picture
 from test_kv import ask, assert_same_answer, tower
 

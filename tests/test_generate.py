@@ -1,9 +1,10 @@
 """Picking the next token: greedy takes the likeliest; sampling draws only among what top-k and top-p keep."""
 import torch
 
-from qvl import generate, settings
+from qvl.engine import generate
 
 # Probabilities 0.4, 0.3, 0.2, 0.1 for tokens 0-3: with a temperature of 1 each is drawn often enough to be seen.
+from qvl import settings
 LOGITS = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
 SEEDS = range(400)
 

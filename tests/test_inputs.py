@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 from PIL import Image, ImageDraw
 
-from qvl import generate, images
-from qvl.engine import Stats, Turn
+from qvl import images
+from qvl.conversation import Stats, Turn
+from qvl.engine import generate
 from qvl.images import MAX_SOURCE_PIXELS, InputError
 from qvl.settings import GenParams
 

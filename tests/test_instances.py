@@ -9,8 +9,8 @@ import httpx
 import pytest
 from gradio_client import Client, handle_file
 
-from qvl import stress
-from qvl.ui import ASSETS
+from qvl.serve.ui import ASSETS
+from qvl.tools import stress
 
 CHART = str(ASSETS / "chart.png")
 SHORT = dict(use_cache=False, max_new_tokens=8, api_name="/ask")

@@ -1,4 +1,4 @@
-"""The numba decode kernels (qvl.jit): compiled in the background once the engine serves, unless --no-jit, and
+"""The numba decode kernels (qvl.engine.jit): compiled in the background once the engine serves, unless --no-jit, and
 never a reason for an engine not to serve. That they compute what torch's ops compute is in test_lean and
 test_quant (the kernels fixture)."""
 import json
@@ -7,8 +7,10 @@ import pytest
 
 ENGINE = """
 import json, sys
-from qvl import jit, lean, settings
-from qvl.engine import Engine, Turn
+from qvl import settings
+from qvl.conversation import Turn
+from qvl.engine import jit, lean
+from qvl.engine.local import Engine
 {prelude}
 calls = []
 attend = jit.attend

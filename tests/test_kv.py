@@ -12,8 +12,10 @@ import torch
 from gradio_client import Client, handle_file
 from transformers import DynamicCache
 
-from qvl import bench, generate, kv, quant, settings
-from qvl.engine import Stats, Turn
+from qvl import settings
+from qvl.conversation import Stats, Turn
+from qvl.engine import generate, kv, quant
+from qvl.tools import bench
 from test_engine import picture
 from test_robustness import inproc  # noqa: F401 (the app in this process, serving the session's engine)
 

@@ -1,4 +1,4 @@
-"""The lean decode step and the fused linears (qvl.lean) compute what transformers' own model computes."""
+"""The lean decode step and the fused linears (qvl.engine.lean) compute what transformers' own model computes."""
 from collections import Counter
 import threading
 
@@ -7,8 +7,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForImageTextToText, DynamicCache
 
-from qvl import generate, lean, quant, settings
-from qvl.engine import Turn
+from qvl import settings
+from qvl.conversation import Turn
+from qvl.engine import generate, lean, quant
 from test_engine import picture
 
 STEPS = 40
@@ -51,7 +52,7 @@ def test_every_text_layer_is_fused_and_the_vision_tower_left_alone(engine):
 
 
 def test_lean_steps_give_transformers_logits_position_by_position(engine, plain, prompt, kernels, monkeypatch):
-    """On torch's ops and on the numba kernels (qvl.jit) alike."""
+    """On torch's ops and on the numba kernels (qvl.engine.jit) alike."""
     tokens = torch.randint(0, 256, (STEPS,), generator=torch.Generator().manual_seed(0)).tolist()
     calls = _spy(monkeypatch)
     with torch.inference_mode():

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from qvl.line import Busy, Line, Taken
+from qvl.serve.line import Busy, Line, Taken
 
 
 def order(line: Line, tickets: dict) -> list[str]:

@@ -16,7 +16,7 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 from qvl import texts
-from qvl.ui import ASSETS
+from qvl.serve.ui import ASSETS
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = "data:image/png;base64," + base64.b64encode((ASSETS / "chart.png").read_bytes()).decode()

@@ -13,8 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qvl import modelcache, quant, settings
-from qvl.engine import Engine, Turn
+from qvl import settings
+from qvl.conversation import Turn
+from qvl.engine import modelcache, quant
+from qvl.engine.local import Engine
 from qvl.settings import GenParams
 
 QUESTION = [Turn("user", "describe a red square")]
@@ -208,7 +210,8 @@ def test_the_weights_are_read_packed_and_repacked_below_the_priority_of_the_page
 
 READ_AHEAD = """
 import sys, torch
-from qvl import modelcache, quant, settings
+from qvl import settings
+from qvl.engine import modelcache, quant
 real, big = quant.Int8Linear.__init__, torch.ones(1500, 1500)
 quant.Int8Linear.__init__ = lambda self, *a, **k: (big @ big, real(self, *a, **k))[1]  # each pack a while in torch
 ahead = modelcache.read_ahead(settings.parse(["--model", sys.argv[1], "--quant", "int8",
@@ -295,8 +298,9 @@ def test_a_first_start_converts_into_pieces_then_keeps_and_settles_what_a_whole_
 
 EXIT_WHILE_SETTLING = """
 import sys, torch
-from qvl import quant, settings
-from qvl.engine import Engine
+from qvl import settings
+from qvl.engine import quant
+from qvl.engine.local import Engine
 start = lambda: Engine(settings.parse(["--model", sys.argv[1], "--quant", "int8", "--no-cache",
                                         "--feature-cache-size", "0", "--model-cache-dir", sys.argv[2]], env={}))
 start()  # converts and keeps the model

@@ -15,9 +15,11 @@ import openai
 import pytest
 from gradio_client import Client, handle_file
 
-from qvl import answers, cache, doors, links, openai_api, settings, stress, ui
+from qvl import settings
 from qvl.images import InputError
-from qvl.ui import ASSETS
+from qvl.serve import answers, cache, doors, links, openai_api, ui
+from qvl.serve.ui import ASSETS
+from qvl.tools import stress
 from test_robustness import watch
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,8 +6,10 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
-from qvl import answers, quant, settings, settings_tab, texts
-from qvl.remote import RemoteEngine
+from qvl import settings, texts
+from qvl.engine import quant
+from qvl.engine.remote import RemoteEngine
+from qvl.serve import answers, settings_tab
 
 STATS = {"ttft_s": 0.1, "decode_tok_s": 20.0, "image_tokens": 0, "total_s": 0.5, "prompt_tokens": 12}
 

@@ -4,8 +4,10 @@ import threading
 import pytest
 import torch
 
-from qvl import generate, jit, lean, quant, settings
-from qvl.engine import Engine, Turn
+from qvl import settings
+from qvl.conversation import Turn
+from qvl.engine import generate, jit, lean, quant
+from qvl.engine.local import Engine
 from qvl.settings import GenParams
 
 
@@ -121,7 +123,7 @@ def test_int8_scales_fbgemms_output_by_each_rows_scale_as_its_per_channel_linear
 def test_w8a14_reads_each_decode_row_to_14_bits_against_the_int8_weights(rows, kernels):
     """Two parts of 63 levels a side, high and what it rounded off, leave each value within half a level of 63 * 126
     over its row's peak: the int8 weights' product with the row nearly exactly, where one part (int8) is ~126x off.
-    Split by torch's ops or by the numba kernel (qvl.jit)."""
+    Split by torch's ops or by the numba kernel (qvl.engine.jit)."""
     torch.manual_seed(0)
     linear = quant._dynamic_int8(torch.nn.Linear(256, 64, bias=True))
     x = torch.randn(1, rows, 256)
@@ -160,7 +162,7 @@ AVX2_KERNEL = """
 import os
 os.environ["FBGEMM_ENABLE_INSTRUCTIONS"] = "AVX2"  # fbgemm's AVX2 kernel on any CPU: what an AVX2-only one runs
 import torch
-from qvl import quant
+from qvl.engine import quant
 torch.manual_seed(0)
 linear = quant._dynamic_int8(torch.nn.Linear(512, 64, bias=False))
 exact = lambda q: q.double() @ linear.weight().int_repr().double().T  # its parts are packed at scale 1
@@ -317,7 +319,7 @@ def test_loud_channels_whose_weights_the_checkpoint_does_not_name_stay_in_the_in
 
 @pytest.mark.parametrize("mode, gain", [("int8", 10), ("w8a16", 3), ("w8a14", 3)])
 def test_loud_channels_apart_keep_the_planted_models_logits(loud_dir, monkeypatch, mode, gain):
-    from qvl import bench
+    from qvl.tools import bench
 
     folder, _ = loud_dir
     reference, model = quant.load_model(str(folder), "fp32"), quant.load_model(str(folder), mode)

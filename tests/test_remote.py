@@ -12,9 +12,10 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
-from qvl import settings, stress, texts
-from qvl.remote import RemoteEngine
-from qvl.ui import ASSETS
+from qvl import settings, texts
+from qvl.engine.remote import RemoteEngine
+from qvl.serve.ui import ASSETS
+from qvl.tools import stress
 from test_openai_api import KEY, ready, serving
 from test_robustness import watch
 

@@ -16,9 +16,11 @@ from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 from PIL import Image
 
-from qvl import answers, cache, settings, stress, ui
-from qvl.engine import Stats, Turn
+from qvl import settings
+from qvl.conversation import Stats, Turn
+from qvl.serve import answers, cache, ui
 from qvl.settings import GenParams
+from qvl.tools import stress
 from test_inputs import UNREADABLE, bomb_png, scene
 
 USER, PASSWORD = "tester", "s3cret-Pa55-do-not-log"

@@ -10,7 +10,9 @@ import gradio as gr
 import pytest
 
 import qvl
-from qvl import answers, cpu, kv, settings, settings_tab, texts
+from qvl import settings, texts
+from qvl.engine import cpu, kv
+from qvl.serve import answers, settings_tab
 
 ROOT = Path(__file__).resolve().parent.parent
 

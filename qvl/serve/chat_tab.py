@@ -12,9 +12,10 @@ from pathlib import Path
 
 import gradio as gr
 
-from qvl import answers, texts
+from qvl import texts
+from qvl.serve import answers
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 EXAMPLES = [("chart.png", "example_chart"), ("receipt.png", "example_receipt"), ("scene.png", "example_scene"),
             ("shapes.png", "example_shapes")]
 

@@ -1,14 +1,15 @@
 """The page, as it reads from top to bottom: title, banners, the chat tab, the settings tab; then the API.
 
 Each part is drawn and wired in its own module (chat_tab, settings_tab, api); the answering itself, shared by the
-page and the API, is qvl.answers.
+page and the API, is qvl.serve.answers.
 """
 import gradio as gr
 
-from qvl import api, chat_tab, settings_tab, texts, tool
-from qvl.answers import Answerer
+from qvl import texts
+from qvl.serve import api, chat_tab, settings_tab, tool
+from qvl.serve.answers import Answerer
+from qvl.serve.chat_tab import ASSETS
 from qvl.sizes import parse_size
-from qvl.chat_tab import ASSETS
 
 I18N = gr.I18n(**texts.TEXT)
 # Uploaded pictures are thumbnails in the history (a click opens them full size); the input box stays at hand.

@@ -9,8 +9,9 @@ from urllib.parse import quote, unquote, urlsplit
 import gradio as gr
 from gradio_client import handle_file
 
-from qvl import answers, links, texts
-from qvl.chat_tab import ASSETS, EXAMPLES
+from qvl import texts
+from qvl.serve import answers, links
+from qvl.serve.chat_tab import ASSETS, EXAMPLES
 
 FILE_ROUTE = "/gradio_api/file="  # where Gradio serves a file of launch()'s allowed_paths, the example pictures'
 

@@ -26,7 +26,7 @@ The quantized modes stream the checkpoint tensor by tensor into an uninitialised
 convert each linear as it arrives, so loading never holds a full bf16 copy beside the quantized one (2B int8: 3.3 GB
 peak at load instead of 8.9 GB).
 
-transformers (and qvl.lean, built on it) is imported where a model is built, not at the top: the model cache's
+transformers (and qvl.engine.lean, built on it) is imported where a model is built, not at the top: the model cache's
 read-ahead imports this module for its linears, to pack stored weights while transformers is still importing.
 """
 import collections
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from qvl import cpu, heap, jit
+from qvl.engine import cpu, heap, jit
 
 log = logging.getLogger("qvl")
 
@@ -458,7 +458,7 @@ def checkpoint_columns(model: nn.Module, folder: str, loud: dict) -> dict:
     """For each (fused) text linear name of loud whose weights the checkpoint names, its weights for the loud input
     channels, [channels, out_features], from one pass that reads only those linears' weights (the tied head's from
     the token table, which the model keeps in bf16 as the checkpoint has it)."""
-    from qvl import lean
+    from qvl.engine import lean
 
     parts = {name: lean.parts(name) for name in loud}
     owner = {f"{part}.weight": name for name, names in parts.items() for part in names}
@@ -572,7 +572,7 @@ def _load_converting(folder: str, convert, report=unreported) -> nn.Module:
     The skeleton's weights are never initialised (untouched memory is not resident), so the process holds the
     converted model plus a few layers, never a full bf16 copy. Raises KeyError for a checkpoint laid out otherwise.
     """
-    from qvl import lean
+    from qvl.engine import lean
 
     model = skeleton(folder)
     config = model.config
@@ -676,7 +676,7 @@ def load_model(source: str, mode: str, report=unreported) -> nn.Module:
     is, as unreported is."""
     from transformers import AutoModelForImageTextToText
 
-    from qvl import lean
+    from qvl.engine import lean
 
     mode = resolve(mode)
     if mode in ("fp32", "bf16"):

@@ -11,10 +11,10 @@ import time
 from dataclasses import replace
 
 from qvl import texts
-from qvl.sizes import parse_size
 from qvl.conversation import EngineError, Turn
 from qvl.images import InputError
-from qvl.line import Busy, Line, Taken
+from qvl.serve.line import Busy, Line, Taken
+from qvl.sizes import parse_size
 
 log = logging.getLogger("qvl")
 # The GenParams fields a session may set (Settings tab, API), in that order; the rest stay at the server's flags.

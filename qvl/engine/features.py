@@ -15,7 +15,7 @@ from collections import OrderedDict
 import safetensors.torch
 import torch
 
-from qvl.cache import DiskStore
+from qvl.diskstore import DiskStore
 
 log = logging.getLogger("qvl")
 MEMORY_LIMIT = 256 << 20  # a 300-token image of the 2B model is ~10 MB of fp32 features

@@ -1,7 +1,7 @@
 """Token generation as a stream of ids: one prefill call, then lean decode steps, stopping within one step.
 
 HF generate() spends ~24 ms of framework work per decode step on 2 cores (logits processors, stopping criteria,
-cache bookkeeping), and the model's own forward more (see qvl.lean); a 2B model's quantized step is only a few
+cache bookkeeping), and the model's own forward more (see qvl.engine.lean); a 2B model's quantized step is only a few
 times that, so the loop is written out here: transformers' forward for the prompt (images, M-RoPE positions,
 deepstack), then lean.Decoder for each new token.
 """
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from qvl import lean, quant
+from qvl.engine import lean, quant
 from qvl.settings import GenParams
 
 

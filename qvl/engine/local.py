@@ -16,11 +16,12 @@ import torch
 from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-from qvl import conversation, cpu, features, generate, heap, images, jit, kv, modelcache, quant, texts, tiny
-from qvl.sizes import parse_size
+from qvl import conversation, images, texts
 from qvl.conversation import Stats, Turn
+from qvl.engine import cpu, features, generate, heap, jit, kv, modelcache, quant, tiny
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
+from qvl.sizes import parse_size
 
 log = logging.getLogger("qvl")
 TINY_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "tiny-v1"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from qvl.answers import size_text
 from qvl.images import InputError
+from qvl.serve.answers import size_text
 
 FETCH_S = 10.0  # a whole image download, redirects included
 REDIRECTS = 3

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qvl import cpu, heap, quant
+from qvl.engine import cpu, heap, quant
 
 log = logging.getLogger("qvl")
 
@@ -385,7 +385,7 @@ class Reader:
 
 def _read(reader: Reader, source: str, report=quant.unreported) -> nn.Module:
     """The model assembled from what reader reads; raises for a file that is spoiled or does not fit the model."""
-    from qvl import lean
+    from qvl.engine import lean
 
     try:
         model = quant.skeleton(source)

@@ -14,10 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from qvl import answers, doors, links, settings, texts
+from qvl import settings, texts
 from qvl.conversation import EngineError
 from qvl.images import InputError
-from qvl.line import Busy, Taken
+from qvl.serve import answers, doors, links
+from qvl.serve.line import Busy, Taken
 
 RETRY_AFTER_S = 5  # while the model loads and warms up: seconds on a second start, minutes on a first
 

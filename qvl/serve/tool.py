@@ -13,7 +13,8 @@ import warnings
 
 import gradio as gr
 
-from qvl import answers, links, texts
+from qvl import texts
+from qvl.serve import answers, links
 
 NAME, ENDPOINT = "ask", "/ask_tool"
 
@@ -56,7 +57,7 @@ def wire(answerer, settings):
     image, question = gr.Textbox(visible=False, label="image"), gr.Textbox(visible=False, label="question")
     answer = gr.Textbox(visible=False, label="answer")
     # Off Gradio's queue, its MCP server calls the function in-process; queued, it would call it over HTTP through a
-    # client of its own, which sends no key past the --api-key guard (qvl.doors). The line is qvl's own anyway.
+    # client of its own, which sends no key past the --api-key guard (qvl.serve.doors). The line is qvl's own anyway.
     gr.Button(visible=False).click(ask, [image, question], answer, queue=False, api_name=ENDPOINT.lstrip("/"))
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import gradio as gr
 
-from qvl import cpu, texts
-from qvl.answers import PARAMS
+from qvl import texts
+from qvl.engine import cpu
+from qvl.serve.answers import PARAMS
 from qvl.settings import BOUNDS
 
-INSTRUCTION_SETS = ("AVX2", "AVX-512", "VNNI", "BF16", "AMX")  # qvl.cpu's names, each shown as present or not
+INSTRUCTION_SETS = ("AVX2", "AVX-512", "VNNI", "BF16", "AMX")  # qvl.engine.cpu's names, each shown as present or not
 
 
 def _version(package: str) -> str:

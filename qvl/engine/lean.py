@@ -20,7 +20,7 @@ from transformers.initialization import no_init_weights
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb, eager_attention_forward
 
-from qvl import jit
+from qvl.engine import jit
 
 # A fused linear's name -> the checkpoint linears whose rows it holds, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -99,7 +99,7 @@ class Attention(nn.Module):
 
 def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Qwen's RMSNorm as one fused op: its module's five small ops cost ~10% of a quantized 2B step (and torch's
-    fused op is itself eight: qvl.jit's kernel, once warm, where the activations are float32)."""
+    fused op is itself eight: qvl.engine.jit's kernel, once warm, where the activations are float32)."""
     if jit.ready.is_set() and x.dtype == norm.weight.dtype == torch.float32:
         return jit.norm(x, norm.weight, norm.variance_epsilon)
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
