@@ -25,7 +25,7 @@ def plain(tiny_dir):
 
 @pytest.fixture
 def prompt(engine):
-    """A prompt with an image, so that decode positions depend on the rope_deltas its M-RoPE positions leave."""
+    """A prompt with an image, so that decode positions depend on its M-RoPE delta."""
     inputs, _ = engine._inputs([Turn("user", "What is in this picture?", (picture(),))], settings.GenParams())
     return inputs
 
@@ -56,10 +56,11 @@ def test_lean_steps_give_transformers_logits_position_by_position(engine, plain,
     tokens = torch.randint(0, 256, (STEPS,), generator=torch.Generator().manual_seed(0)).tolist()
     calls = _spy(monkeypatch)
     with torch.inference_mode():
-        ours = generate._forward(engine.model, **prompt)
+        position_ids, delta = generate.positions(engine.model, prompt)
+        assert delta != 0  # the image moved text positions
+        ours = generate._forward(engine.model, **prompt, position_ids=position_ids)
         reference = plain(**prompt, use_cache=True, logits_to_keep=1)
-        assert int(engine.model.model.rope_deltas.abs().max()) > 0  # the image moved text positions
-        decoder = lean.Decoder(engine.model, ours.cache, STEPS)
+        decoder = lean.Decoder(engine.model, ours.cache, STEPS, delta)
         for i, token in enumerate(tokens):
             logits = decoder.step(token)
             reference = plain(input_ids=torch.tensor([[token]]), cache=reference.cache, use_cache=True,
@@ -74,6 +75,22 @@ def test_lean_steps_give_transformers_logits_position_by_position(engine, plain,
                                        "norm": STEPS * (2 * layers + 1)}
     else:
         assert kernels[1] == []
+
+
+def test_decode_steps_take_the_delta_they_are_given_never_the_one_transformers_keeps(engine, plain, prompt,
+                                                                                      monkeypatch):
+    """transformers keeps the last prompt's M-RoPE delta on the model object, whichever conversation that was: the
+    decoder ignores it and steps at the delta it is given, right or wrong."""
+    position_ids, delta = generate.positions(engine.model, prompt)
+    with torch.inference_mode():
+        expected = plain(input_ids=torch.tensor([[7]]), cache=plain(**prompt, use_cache=True).cache).logits[0, -1]
+        stepped = {}
+        for given, kept in ((delta, delta + 5), (delta + 5, delta)):
+            monkeypatch.setattr(engine.model.model, "rope_deltas", torch.tensor([[kept]]))
+            out = generate._forward(engine.model, **prompt, position_ids=position_ids)
+            stepped[given] = lean.Decoder(engine.model, out.cache, 1, given).step(7)
+    assert (stepped[delta] - expected).abs().max() <= TOLERANCE * expected.abs().max()
+    assert (stepped[delta + 5] - expected).abs().max() > 100 * TOLERANCE * expected.abs().max()
 
 
 def test_a_sampled_answer_and_the_cache_it_leaves_match_transformers(engine, plain, prompt, kernels, monkeypatch):

@@ -35,6 +35,15 @@ def _pick(logits: torch.Tensor, params: GenParams, rng: torch.Generator) -> int:
     return int(torch.multinomial(logits.softmax(-1), 1, generator=rng))
 
 
+def positions(model, inputs: dict) -> tuple[torch.Tensor, int]:
+    """A whole prompt's M-RoPE positions (3 x 1 x tokens) and its delta, what each decode step adds to its place in
+    the cache (an image takes fewer positions than tokens): computed per prompt, because what transformers keeps on
+    the model (rope_deltas) is the last prompt's, whichever conversation that was."""
+    position_ids, deltas = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                      inputs.get("image_grid_thw"))
+    return position_ids, int(deltas.reshape(-1)[0])
+
+
 @torch.inference_mode()
 def _forward(model, **inputs):
     """The prompt's prefill, on the prompt's kernels (quant.prompting) however few its tokens."""
@@ -46,16 +55,22 @@ def _forward(model, **inputs):
         quant.prompting.reset(prompting)
 
 
-def stream(model, inputs: dict, params: GenParams, stop: threading.Event, keep_answer: bool = True) -> Iterator[int]:
+def stream(model, inputs: dict, params: GenParams, stop: threading.Event, delta: int | None = None,
+           keep_answer: bool = True) -> Iterator[int]:
     """Yield new token ids one by one. Setting stop, or closing the iterator, ends generation before the next step.
 
+    inputs: a whole prompt as the processor makes it (delta None: its positions and delta are computed here), or
+    the part of one that inputs["cache"] does not hold yet, with its position_ids and the prompt's delta (positions()).
     The prompt's cache (inputs["cache"], or a new one) holds, once the iterator is done or closed, the prompt and
     every token fed back (the prompt alone without keep_answer).
     """
+    if delta is None:
+        position_ids, delta = positions(model, inputs)
+        inputs = {**inputs, "position_ids": position_ids}
     eos = _eos_ids(model)
     rng = torch.Generator().manual_seed(params.seed)
     out = _forward(model, **inputs)
-    logits, decoder = out.logits[0, -1], lean.Decoder(model, out.cache, params.max_new_tokens)
+    logits, decoder = out.logits[0, -1], lean.Decoder(model, out.cache, params.max_new_tokens, delta)
     try:
         for produced in range(params.max_new_tokens):
             if produced < params.min_new_tokens and eos:

@@ -5,7 +5,8 @@ causal mask per call, M-RoPE positions rebuilt from the cache, a concatenation o
 and five linears per layer that each quantize the same activation again. Decoder.step is one token through the
 text decoder: its own loop over the layers, keys and values written into buffers with room for the whole answer,
 the position computed directly (after the prompt all three M-RoPE sections advance together, from the cache
-length plus the rope_deltas the prompt left on the model), q/k/v as one linear and gate/up as one.
+length plus the prompt's delta, which the caller computes per prompt: generate.positions), q/k/v as one linear and
+gate/up as one.
 
 Fusing is exact: int8 and int4 weights are quantized row by row (per output channel, or per group along a row),
 so the rows of the fused weight are the rows of the separate ones, and fbgemm quantizes the shared input once with
@@ -157,17 +158,18 @@ def place(model: nn.Module, name: str, tensor: torch.Tensor) -> str | None:
 
 
 class Decoder:
-    """Decode steps after a prefill: keys and values in buffers with room for `room` more positions.
+    """Decode steps after a prefill: keys and values in buffers with room for `room` more positions, each step at
+    its place in the cache plus delta, the prompt's M-RoPE delta.
 
     The prefill's cache is moved into the buffers a layer at a time (its layers then view them), and close() hands
     each layer back as an exact-size copy holding every decoded position, a layer at a time: what the cache would
     hold had transformers' forward decoded, for conversation memory to keep, and never two copies of it at once.
     """
 
-    def __init__(self, model: nn.Module, cache: DynamicCache, room: int):
+    def __init__(self, model: nn.Module, cache: DynamicCache, room: int, delta: int):
         self.model, self.text, self.cache = model, model.model.language_model, cache
         self.prompt = self.n = cache.get_seq_length()
-        self.delta = int(model.model.rope_deltas.reshape(-1)[0]) if model.model.rope_deltas is not None else 0
+        self.delta = delta
         self.qk_weights = [layer.self_attn.qk_weight() for layer in self.text.layers]
         self.keys, self.values = [], []
         for layer in cache.layers:

@@ -370,9 +370,10 @@ class Engine:
         params = params if params.max_new_tokens <= budget else replace(params, max_new_tokens=budget)
         with self._lock:
             self._stop.clear()
-            prefill, prompt, reused, cached = self._prefill(inputs, params.max_new_tokens)
+            positions, delta = generate.positions(self.model, inputs)
+            prefill, prompt, reused, cached = self._prefill(inputs, positions, params.max_new_tokens)
             ids, sent, first, failed = [], "", None, False
-            tokens = generate.stream(self.model, prefill, params, self._stop,
+            tokens = generate.stream(self.model, prefill, params, self._stop, delta,
                                      keep_answer=self.mode not in quant.PROMPT_TWINS)
             try:
                 for token in tokens:
@@ -413,20 +414,15 @@ class Engine:
                           images=lambda lang: texts.image_share(lang, image_tokens, pictures))
 
     @torch.inference_mode()
-    def _prefill(self, inputs: dict, new_tokens: int) -> tuple[dict, tuple, int, int]:
+    def _prefill(self, inputs: dict, positions: torch.Tensor, new_tokens: int) -> tuple[dict, tuple, int, int]:
         """The first model call's inputs, the prompt's content (see kv.content), prompt tokens reused, images cached.
 
-        With both stores off it is the processor's output and the prompt's positions. Otherwise only the part of the
-        prompt that no kept cache holds is prefilled, after a copy of that cache; its images come from the feature store
-        or the vision tower. Positions are the whole prompt's M-RoPE positions from the model's own get_rope_index,
-        cut to that part, and the model's rope_deltas (what decode steps add to the cache length to get their
-        positions, kept on the model object by transformers) are set for this prompt, so another conversation's
-        never reach this one.
+        With both stores off it is the processor's output and the prompt's positions (generate.positions). Otherwise
+        only the part of the prompt that no kept cache holds is prefilled, at its part of positions, after a copy of
+        that cache; its images come from the feature store or the vision tower.
         """
-        ids, grids = inputs["input_ids"], inputs.get("image_grid_thw")
-        positions, self.model.model.rope_deltas = self.model.model.get_rope_index(
-            ids, inputs["mm_token_type_ids"], grids)
-        if self.kv is None and self.features is None:  # transformers keeps an image prompt's offsets for a text one
+        ids = inputs["input_ids"]
+        if self.kv is None and self.features is None:
             return {**inputs, "position_ids": positions}, (), 0, 0
         pictures = self._images(inputs)
         prompt = kv.content(ids[0].tolist(), self.model.config.image_token_id, pictures)

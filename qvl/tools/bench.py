@@ -297,8 +297,9 @@ def teacher_forced_logits(model, inputs: dict, answer: list[int]) -> torch.Tenso
     prefill gives the first row, a lean decode step each next one. One forward over prompt and answer would measure
     the prefill's kernels only, where int4 decodes with other weights (its int8 twin prefills)."""
     with torch.inference_mode():
-        out = generate._forward(model, **inputs)
-        decoder = lean.Decoder(model, out.cache, len(answer))
+        position_ids, delta = generate.positions(model, inputs)
+        out = generate._forward(model, **inputs, position_ids=position_ids)
+        decoder = lean.Decoder(model, out.cache, len(answer), delta)
         try:
             return torch.stack([out.logits[0, -1], *(decoder.step(token) for token in answer[:-1])]).float()
         finally:
@@ -370,10 +371,10 @@ def step_split(model, prompt_tokens: int, steps: int = 12) -> dict:
         dtype = text.embed_tokens(torch.tensor([[0]])).dtype  # the linears' output: bf16 in a bf16 model
         outputs = [torch.randn(1, 1, m.out_features, dtype=dtype) * 0.1 for m in linears]
         prefill = generate._forward(model, input_ids=torch.randint(0, 256, (1, prompt_tokens)))
-        decoders = {"full": lean.Decoder(model, prefill.cache, steps + 2),
-                    "stubbed": lean.Decoder(model, prefill.cache, steps + 2)}
+        decoders = {"full": lean.Decoder(model, prefill.cache, steps + 2, 0),  # a text prompt's delta is 0
+                    "stubbed": lean.Decoder(model, prefill.cache, steps + 2, 0)}
         if kernels:
-            decoders["torch"] = lean.Decoder(model, prefill.cache, steps + 2)
+            decoders["torch"] = lean.Decoder(model, prefill.cache, steps + 2, 0)
         times = {way: [] for way in decoders}
 
         def step(way):
