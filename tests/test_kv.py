@@ -5,7 +5,6 @@ logits within TOL of cold's (a different summation order changes the last bits; 
 answers part, and the comparison stops there). Each case also asserts that reuse happened.
 """
 from dataclasses import dataclass
-from unittest import mock
 
 import pytest
 import torch
@@ -33,14 +32,8 @@ class Answer:
 
 def ask(engine, turns, params=GREEDY, stop_after=None) -> Answer:
     """The answer with each step's token and logits; stop_after=n presses Stop once n pieces have arrived."""
-    ids, logits, pieces, pick = [], [], [], generate._pick
-
-    def recording(row, params, rng):
-        logits.append(row.float().clone())
-        ids.append(pick(row, params, rng))
-        return ids[-1]
-
-    with mock.patch.object(generate, "_pick", recording):
+    pieces = []
+    with generate.forced() as (logits, ids):
         for item in engine.chat(turns, params):
             if isinstance(item, Stats):
                 return Answer("".join(pieces), ids, logits, item)

@@ -5,6 +5,7 @@ cache bookkeeping), and the model's own forward more (see qvl.engine.lean); a 2B
 times that, so the loop is written out here: transformers' forward for the prompt (images, M-RoPE positions,
 deepstack), then lean.Decoder for each new token.
 """
+import contextlib
 import threading
 from collections.abc import Iterator
 
@@ -33,6 +34,27 @@ def _pick(logits: torch.Tensor, params: GenParams, rng: torch.Generator) -> int:
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest head reaching top_p
         logits = logits.scatter(0, order[drop], float("-inf"))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=rng))
+
+
+@contextlib.contextmanager
+def forced(answer: list[int] | None = None):
+    """Teacher forcing, for the bench and the tests: within it every answer takes answer's tokens instead of its own
+    picks (None: its own), whatever the path to this module (Engine.chat, conversation memory and all), and the logits
+    each token is picked from are recorded. Yields (logits rows, tokens), filled as answers run. It holds for every
+    thread, so never in a serving process."""
+    global _pick
+    own, rows, tokens = _pick, [], []
+
+    def pick(logits: torch.Tensor, params: GenParams, rng: torch.Generator) -> int:
+        rows.append(logits.float().clone())
+        tokens.append(own(logits, params, rng) if answer is None else answer[len(tokens)])
+        return tokens[-1]
+
+    _pick = pick
+    try:
+        yield rows, tokens
+    finally:
+        _pick = own
 
 
 def positions(model, inputs: dict) -> tuple[torch.Tensor, int]:

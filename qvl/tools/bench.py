@@ -33,7 +33,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
@@ -309,16 +308,9 @@ def teacher_forced_logits(model, inputs: dict, answer: list[int]) -> torch.Tenso
 def forced_chat(engine, turns: list[Turn], answer: list[int] | None, tokens: int) -> tuple:
     """Engine.chat answering turns, conversation memory and all, with answer's tokens whatever it would pick (None:
     its greedy picks, `tokens` of them): the logits each token was picked from, the Stats and the tokens."""
-    rows, picked = [], []
-
-    def pick(logits, params, rng):
-        rows.append(logits.float().clone())
-        picked.append(int(logits.argmax()) if answer is None else answer[len(rows) - 1])
-        return picked[-1]
-
     n = tokens if answer is None else len(answer)
     params = settings.GenParams(greedy=True, max_new_tokens=n, max_image_tokens=320)  # min_new_tokens masks EOS: -inf
-    with mock.patch.object(generate, "_pick", pick):
+    with generate.forced(answer) as (rows, picked):
         *_, stats = engine.chat(turns, params)
     return torch.stack(rows), stats, picked
 
