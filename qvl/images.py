@@ -7,25 +7,11 @@ import warnings
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from qvl import texts
+from qvl.conversation import InputError
 
 PIXELS_PER_TOKEN = 32 * 32  # 16 px patches, merged 2x2 into one visual token
 MAX_SOURCE_PIXELS = 64_000_000  # refuse decompression bombs long before they reach memory
 MAX_ASPECT = 100  # Qwen's processor refuses 200:1; thinner strips are padded, not refused
-
-
-class InputError(ValueError):
-    """A request the user can fix: the message (a key of texts.TEXT) says how, in the user's language.
-
-    A parameter may be a function of the language (a phrase inside the message); `detail` is the library's own
-    wording, for the log only. str() is the English message.
-    """
-
-    def __init__(self, key: str, detail: str | None = None, **params):
-        self.key, self.detail, self.params = key, detail, params
-        super().__init__(self.say("en"))
-
-    def say(self, lang: str) -> str:
-        return texts.say(lang, self.key, **{k: v(lang) if callable(v) else v for k, v in self.params.items()})
 
 
 class ImageError(InputError):

@@ -31,6 +31,11 @@ class GenParams:
     min_new_tokens: int = 0  # only the benchmark forces a length
 
 
+# The GenParams fields a visitor may set for their session (settings tab, `ask`, the OpenAI API), by name; the rest
+# stay at the server's flags.
+SESSION_PARAMS = ("max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "greedy", "seed")
+
+
 @dataclass
 class Settings:
     model: str = DEFAULT_MODEL

@@ -9,10 +9,9 @@ import torch
 from PIL import Image
 
 from qvl import images, settings
-from qvl.conversation import Stats, Turn
+from qvl.conversation import InputError, Stats, Turn
 from qvl.engine import modelcache
 from qvl.engine.local import Engine, ModelUnavailable
-from qvl.images import InputError
 
 GREEDY = settings.GenParams(greedy=True, max_new_tokens=24, min_new_tokens=24)
 

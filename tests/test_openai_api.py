@@ -16,7 +16,7 @@ import pytest
 from gradio_client import Client, handle_file
 
 from qvl import settings
-from qvl.images import InputError
+from qvl.conversation import InputError
 from qvl.serve import answers, cache, doors, links, openai_api, ui
 from qvl.serve.ui import ASSETS
 from qvl.tools import stress

@@ -14,13 +14,10 @@ from qvl import texts
 from qvl.conversation import EngineError, Turn
 from qvl.images import InputError
 from qvl.serve.line import Busy, Line, Taken
+from qvl.settings import SESSION_PARAMS
 from qvl.sizes import parse_size
 
 log = logging.getLogger("qvl")
-# The GenParams fields a session may set (Settings tab, API), in that order; the rest stay at the server's flags.
-PARAMS = ("max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "greedy", "seed")
-
-
 @dataclasses.dataclass
 class Update:
     """One step of an answer: its place in line while waiting, then the text so far, then the final stats."""
@@ -48,9 +45,12 @@ class Answerer:
         self._kinds = {f.name: f.type for f in dataclasses.fields(settings.gen)}
         self._releasing: set[asyncio.Task] = set()  # held here: the event loop keeps only weak references
 
-    def params(self, values) -> object:
-        """GenParams from a session's PARAMS values (sliders send floats; an emptied number box keeps the default)."""
-        chosen = {name: self._kinds[name](value) for name, value in zip(PARAMS, values) if value is not None}
+    def params(self, values: dict) -> object:
+        """GenParams from a session's values by name, each one of settings.SESSION_PARAMS (sliders send floats; an
+        emptied number box, or a field an API request leaves out, keeps the server's flag)."""
+        unknown = set(values) - set(SESSION_PARAMS)
+        assert not unknown, f"not a session setting: {unknown}"
+        chosen = {name: self._kinds[name](value) for name, value in values.items() if value is not None}
         return replace(self.gen, **chosen)
 
     def who(self, request) -> dict:

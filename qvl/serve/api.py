@@ -4,6 +4,7 @@ Its components are hidden ones of its own, so that the API page names each input
 Gradio's file checks like the page's, and none of the page's internal events are part of it.
 """
 import contextlib
+import inspect
 from urllib.parse import quote, unquote, urlsplit
 
 import gradio as gr
@@ -12,6 +13,7 @@ from gradio_client import handle_file
 from qvl import texts
 from qvl.serve import answers, links
 from qvl.serve.chat_tab import ASSETS, EXAMPLES
+from qvl.settings import SESSION_PARAMS
 
 FILE_ROUTE = "/gradio_api/file="  # where Gradio serves a file of launch()'s allowed_paths, the example pictures'
 
@@ -44,14 +46,16 @@ def images_input(example: str) -> gr.File:
 
 
 def wire(conversation: gr.State, session: list, answerer, settings):
-    """session: the inputs that make a request (conversation, use_cache, the PARAMS controls)."""
+    """session: the inputs that make a request (conversation, use_cache, then the controls of
+    settings.SESSION_PARAMS in that order, which ask's last parameters name)."""
 
     async def ask(request: gr.Request, images: list[str] | None, question: str, conversation: list,
                   use_cache: bool, max_image_tokens: int, max_new_tokens: int, temperature: float, top_p: float,
                   top_k: int, greedy: bool, seed: int):
         """Answer a question about images, continuing this client's conversation. Streams (answer, status)."""
         lang = texts.language(request)
-        params = answerer.params((max_image_tokens, max_new_tokens, temperature, top_p, top_k, greedy, seed))
+        params = answerer.params(dict(max_image_tokens=max_image_tokens, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, seed=seed))
         try:
             pictures = [await links.read(image, "images", settings.allow_image_urls, answerer.upload_limit)
                         if image.startswith(("http://", "https://")) else image for image in images or []]
@@ -68,6 +72,9 @@ def wire(conversation: gr.State, session: list, answerer, settings):
                         yield update.text, "", conversation
         except Exception as e:  # the user's mistake or a full line: no traceback in the log for those
             raise gr.Error(answers.problem(lang, e), print_exception=False) from None
+
+    # Gradio hands the session's controls to ask by position: its last parameters must be their names, in order.
+    assert tuple(inspect.signature(ask).parameters)[-len(SESSION_PARAMS):] == SESSION_PARAMS
 
     def new_conversation() -> list:
         """Forget this client's conversation: the next question starts afresh."""

@@ -14,6 +14,7 @@ import gradio as gr
 
 from qvl import texts
 from qvl.serve import answers
+from qvl.settings import SESSION_PARAMS
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 EXAMPLES = [("chart.png", "example_chart"), ("receipt.png", "example_receipt"), ("scene.png", "example_scene"),
@@ -74,7 +75,8 @@ async def until(stop: asyncio.Future, updates):
 
 
 def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State, session: list, answerer):
-    """The tab's events. session: the inputs that make a request (conversation, use_cache, the PARAMS controls)."""
+    """The tab's events. session: the inputs that make a request (conversation, use_cache, then the controls of
+    settings.SESSION_PARAMS in that order)."""
 
     # Stop ends an answer from inside its event rather than through Gradio's `cancels`, whose race with the stream
     # left an "Error" overlay over the chat in a CI run. A session's entry is a future whose result says why the
@@ -90,7 +92,7 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
                 yield gr.skip(), gr.skip()
                 return
             stop = stops.setdefault(session, asyncio.get_running_loop().create_future())  # Stop may come first
-            params = answerer.params(values)
+            params = answerer.params(dict(zip(SESSION_PARAMS, values, strict=True)))
             if fresh:  # Regenerate: a new sample, never the cached one
                 params = replace(params, seed=random.randrange(2**31))
             reply = {"role": "assistant", "text": "", "images": [], "note": ""}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from qvl.images import InputError
+from qvl.conversation import InputError
 from qvl.serve.answers import size_text
 
 FETCH_S = 10.0  # a whole image download, redirects included

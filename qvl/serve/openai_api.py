@@ -15,8 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from qvl import settings, texts
-from qvl.conversation import EngineError
-from qvl.images import InputError
+from qvl.conversation import EngineError, InputError
 from qvl.serve import answers, doors, links
 from qvl.serve.line import Busy, Taken
 
@@ -171,8 +170,9 @@ class OpenAIApi:
         tokens = _number(body, "max_completion_tokens", int, 1, 1 << 20) or _number(body, "max_tokens", int, 1, 1 << 20)
         temperature = _number(body, "temperature", float, 0, 2)
         greedy = None if temperature is None else temperature == 0  # OpenAI's way of asking for greedy decoding
-        values = (None, tokens, temperature or None, _number(body, "top_p", float, 1e-9, 1),
-                  _number(body, "top_k", int, 1, 1 << 20), greedy, _number(body, "seed", int, 0, 2 ** 63 - 1))
+        values = dict(max_new_tokens=tokens, temperature=temperature or None, top_p=_number(body, "top_p", float, 1e-9, 1),
+                      top_k=_number(body, "top_k", int, 1, 1 << 20), greedy=greedy,
+                      seed=_number(body, "seed", int, 0, 2 ** 63 - 1))
         if body.get("n") not in (None, 1):  # one answer per request
             raise InputError("bad_field", field="n")
         return self.answerer.params(values)

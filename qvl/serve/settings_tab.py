@@ -10,7 +10,6 @@ import gradio as gr
 
 from qvl import texts
 from qvl.engine import cpu
-from qvl.serve.answers import PARAMS
 from qvl.settings import BOUNDS
 
 INSTRUCTION_SETS = ("AVX2", "AVX-512", "VNNI", "BF16", "AMX")  # qvl.engine.cpu's names, each shown as present or not
@@ -26,25 +25,21 @@ def _version(package: str) -> str:
 def draw(i18n: gr.I18n, engine, cache, settings) -> dict:
     gen = settings.gen
     gr.Markdown(i18n("generation"))
+    controls = {}  # one per settings.SESSION_PARAMS name, labelled with it
     with gr.Row():
-        controls = [
-            gr.Slider(BOUNDS["max_image_tokens"][0], max(4096, gen.max_image_tokens), value=gen.max_image_tokens,
-                      step=16, label=i18n("max_image_tokens")),
-            gr.Slider(BOUNDS["max_new_tokens"][0], max(2048, gen.max_new_tokens), value=gen.max_new_tokens, step=1,
-                      label=i18n("max_new_tokens")),
-        ]
+        controls["max_image_tokens"] = gr.Slider(BOUNDS["max_image_tokens"][0], max(4096, gen.max_image_tokens),
+                                                 value=gen.max_image_tokens, step=16, label=i18n("max_image_tokens"))
+        controls["max_new_tokens"] = gr.Slider(BOUNDS["max_new_tokens"][0], max(2048, gen.max_new_tokens),
+                                               value=gen.max_new_tokens, step=1, label=i18n("max_new_tokens"))
     with gr.Row():
-        controls += [
-            gr.Slider(*BOUNDS["temperature"], value=gen.temperature, step=0.05, label=i18n("temperature")),
-            gr.Slider(*BOUNDS["top_p"], value=gen.top_p, step=0.05, label=i18n("top_p")),
-            gr.Slider(*BOUNDS["top_k"], value=gen.top_k, step=1, label=i18n("top_k")),
-        ]
+        controls["temperature"] = gr.Slider(*BOUNDS["temperature"], value=gen.temperature, step=0.05,
+                                            label=i18n("temperature"))
+        controls["top_p"] = gr.Slider(*BOUNDS["top_p"], value=gen.top_p, step=0.05, label=i18n("top_p"))
+        controls["top_k"] = gr.Slider(*BOUNDS["top_k"], value=gen.top_k, step=1, label=i18n("top_k"))
     with gr.Row():
-        controls += [
-            gr.Checkbox(gen.greedy, label=i18n("greedy")),
-            gr.Number(gen.seed, label=i18n("seed"), precision=0, minimum=BOUNDS["seed"][0], maximum=BOUNDS["seed"][1]),
-        ]
-    assert len(controls) == len(PARAMS)
+        controls["greedy"] = gr.Checkbox(gen.greedy, label=i18n("greedy"))
+        controls["seed"] = gr.Number(gen.seed, label=i18n("seed"), precision=0, minimum=BOUNDS["seed"][0],
+                                     maximum=BOUNDS["seed"][1])
     gr.Markdown(i18n("cache"))
     parts = {"controls": controls}
     parts["use_cache"] = gr.Checkbox(cache.enabled, label=i18n("use_cache"), interactive=cache.enabled)

@@ -9,6 +9,7 @@ from qvl import texts
 from qvl.serve import api, chat_tab, settings_tab, tool
 from qvl.serve.answers import Answerer
 from qvl.serve.chat_tab import ASSETS
+from qvl.settings import SESSION_PARAMS
 from qvl.sizes import parse_size
 
 I18N = gr.I18n(**texts.TEXT)
@@ -91,7 +92,8 @@ def build(answerer: Answerer, settings) -> gr.Blocks:
                 chatbot, box = chat_tab.draw(I18N)
             with gr.Tab(I18N("settings"), id="settings") as tab:
                 parts = settings_tab.draw(I18N, engine, cache, settings)
-        session = [conversation, parts["use_cache"], *parts["controls"]]
+        # What every question sends along: the chat, the cache switch and the session's settings, in SESSION_PARAMS order.
+        session = [conversation, parts["use_cache"], *(parts["controls"][name] for name in SESSION_PARAMS)]
         chat_tab.wire(chatbot, box, conversation, session, answerer)
         settings_tab.wire(parts, tab, demo, engine, cache, settings)
         api.wire(conversation, session, answerer, settings)
