@@ -60,7 +60,7 @@ TEXT = {
         "fact_threads_value": "{threads} intra-op · {interop} inter-op (fixed at start-up) · {cores} cores available",
         "fact_cpu": "CPU", "fact_versions": "Versions", "fact_fallback": "Fallback reason",
         "fact_cache_dir": "Answer cache folder",
-        # What the operator reads for each precision of qvl.engine.quant (the log and the cache key keep quant.describe's).
+        # What the operator reads for each precision of qvl.engine.modes (the log and the cache key keep modes.describe's).
         "precision_int8": "int8: int8 weights and activations (fbgemm, a scale per token) in every linear and the "
                           "head, loud text channels computed apart, token table in bf16",
         "precision_w8a14": "w8a14: as int8, but each decode row's activations in two int8 parts (14 bits), and the "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qvl import settings
-from qvl.engine import jit, quant
+from qvl.engine import checkpoint, jit, quant
 from qvl.tools import bench
 
 
@@ -24,9 +24,8 @@ def test_sqnr_is_infinite_for_identical_logits_and_low_for_noise():
 
 
 def test_decode_bytes_shrink_with_quantization(tiny_dir):
-    from qvl.engine import quant
-    fp32 = bench.decode_bytes(quant.load_model(str(tiny_dir), "fp32"))
-    int4 = bench.decode_bytes(quant.load_model(str(tiny_dir), "int4"))
+    fp32 = bench.decode_bytes(checkpoint.load_model(str(tiny_dir), "fp32"))
+    int4 = bench.decode_bytes(checkpoint.load_model(str(tiny_dir), "int4"))
     assert 0.1 * fp32 < int4 < 0.3 * fp32
 
 
@@ -109,8 +108,7 @@ def test_step_overhead_is_the_step_without_its_matmuls_and_leaves_the_model_as_i
 
 
 def test_step_overhead_is_measured_in_a_bf16_model_too(tiny_dir):
-    from qvl.engine import quant
-    model = quant.load_model(str(tiny_dir), "bf16")
+    model = checkpoint.load_model(str(tiny_dir), "bf16")
     split = bench.step_split(model, 20, steps=2)  # the stubs answer in the model's own dtype
     assert split["step_ms"] > 0 and split["step_overhead_ms"] > 0
 
@@ -124,8 +122,8 @@ def _standard_inputs(tiny_dir):
 
 
 def test_fidelity_logits_are_the_answer_s_own_in_fp32(tiny_dir):
-    from qvl.engine import generate, quant
-    model = quant.load_model(str(tiny_dir), "fp32")
+    from qvl.engine import generate
+    model = checkpoint.load_model(str(tiny_dir), "fp32")
     inputs = _standard_inputs(tiny_dir)
     params = settings.GenParams(greedy=True, max_new_tokens=6, min_new_tokens=6)
     answer = list(generate.stream(model, dict(inputs), params, threading.Event()))
@@ -142,8 +140,7 @@ def test_fidelity_logits_are_the_answer_s_own_in_fp32(tiny_dir):
 
 
 def test_fidelity_of_int4_goes_through_its_decode_kernel(tiny_dir, monkeypatch):
-    from qvl.engine import quant
-    model = quant.load_model(str(tiny_dir), "int4")
+    model = checkpoint.load_model(str(tiny_dir), "int4")
     rows = []
     forward = quant.Int4Linear.forward
     monkeypatch.setattr(quant.Int4Linear, "forward", lambda self, x: rows.append(x.numel() // self.in_features)

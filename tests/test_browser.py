@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from qvl import settings
-from qvl.engine import modelcache, quant
+from qvl.engine import modelcache, modes
 from qvl.engine.local import Engine
 from qvl.serve.ui import ASSETS
 from test_openai_api import serving
@@ -229,7 +229,7 @@ def test_the_page_speaks_the_browsers_language(browser, app, tmp_path):
 
 def test_the_operator_of_a_quantized_model_reads_its_settings_in_their_language(browser, engine, tmp_path,
                                                                                 monkeypatch):
-    monkeypatch.setattr(engine, "precision", quant.describe("w8a14"))  # what the log and the cache key name
+    monkeypatch.setattr(engine, "precision", modes.describe("w8a14"))  # what the log and the cache key name
     engine.ready.set()
     with serving(engine, tmp_path) as url:
         page = open_page(browser, type("App", (), {"url": url}), locale="zh-CN")

@@ -9,7 +9,7 @@ from transformers import AutoModelForImageTextToText, DynamicCache
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import generate, lean, quant
+from qvl.engine import checkpoint, generate, lean
 from test_engine import picture
 
 STEPS = 40
@@ -142,7 +142,8 @@ def test_fused_quantized_linears_are_exactly_the_separate_ones(kind):
     torch.manual_seed(0)
     parts = [nn.Linear(256, n, bias=False).to(torch.bfloat16) for n in (128, 64, 64)]
     fused = lean._linear(parts, copy=True)
-    convert = {"int8": quant._int8, "int4": quant._int4, "w8a16": quant._w8a16, "w8a14": quant._w8a14}[kind]
+    convert = {"int8": checkpoint._int8, "int4": checkpoint._int4, "w8a16": checkpoint._w8a16,
+               "w8a14": checkpoint._w8a14}[kind]
     separate = [convert(f"model.language_model.layers.0.self_attn.{p}", linear)
                 for p, linear in zip(("q_proj", "k_proj", "v_proj"), parts)]
     together = convert("model.language_model.layers.0.self_attn.qkv_proj", fused)

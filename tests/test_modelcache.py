@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import modelcache, quant
+from qvl.engine import checkpoint, modelcache, quant
 from qvl.engine.local import Engine
 from qvl.settings import GenParams
 
@@ -44,8 +44,8 @@ def _files(folder):
 def converting(monkeypatch):
     """Counts the starts that converted the checkpoint instead of reading the model cache."""
     calls = []
-    real = quant.load_model
-    monkeypatch.setattr(quant, "load_model", lambda *a: calls.append(a) or real(*a))
+    real = checkpoint.load_model
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a: calls.append(a) or real(*a))
     return calls
 
 
@@ -160,8 +160,8 @@ def test_a_start_handed_the_read_ahead_assembles_from_it_and_answers_the_same(ti
     real_init, real_take = modelcache.Reader.__init__, modelcache.Reader.take
     monkeypatch.setattr(modelcache.Reader, "__init__", lambda self, *a: readers.append(self) or real_init(self, *a))
     monkeypatch.setattr(modelcache.Reader, "take", lambda self, name: taken.append(self) or real_take(self, name))
-    packers, side_by_side = [], quant.side_by_side
-    monkeypatch.setattr(quant, "side_by_side", lambda jobs, workers=None: packers.append(workers) or side_by_side(
+    packers, side_by_side = [], checkpoint.side_by_side
+    monkeypatch.setattr(checkpoint, "side_by_side", lambda jobs, workers=None: packers.append(workers) or side_by_side(
         jobs, workers))
     ahead = modelcache.read_ahead(_settings(tiny_dir, mode, "--threads", "1", *store))
     assert ahead is not None and ahead.file.parent == tmp_path and readers == [ahead]
@@ -283,7 +283,7 @@ def test_a_first_start_converts_into_pieces_then_keeps_and_settles_what_a_whole_
         tiny_dir, tmp_path, monkeypatch):
     whole = _start(tiny_dir, "int8", "--model-cache-dir", str(tmp_path / "whole"))  # the tiny linears: one piece each
     monkeypatch.setattr(quant, "PIECE", 64 * 24)  # pieces of a few rows, as the 2B's linears are packed
-    converted = quant.load_model(str(tiny_dir), "int8")
+    converted = checkpoint.load_model(str(tiny_dir), "int8")
     assert sum(len(m.parts) > 1 for m in converted.modules() if isinstance(m, quant.Int8Linear)) > 10
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
     with torch.inference_mode():
@@ -433,7 +433,7 @@ def test_an_exit_while_the_converted_model_is_kept_stops_the_write_and_leaves_no
 
 
 def test_a_crash_mid_write_leaves_no_file_a_later_start_trusts(tiny_dir, tmp_path, monkeypatch):
-    model = quant.load_model(str(tiny_dir), "int8")
+    model = checkpoint.load_model(str(tiny_dir), "int8")
     file = modelcache.path(str(tmp_path), "v", "int8")
     monkeypatch.setattr(modelcache.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(OSError):
@@ -443,9 +443,9 @@ def test_a_crash_mid_write_leaves_no_file_a_later_start_trusts(tiny_dir, tmp_pat
 
 def test_keeping_a_model_unpacks_its_int8_weights_a_piece_at_a_time(tiny_dir, tmp_path, monkeypatch):
     # Unpacked whole and joined, the 2B's head held 0.9 GB more for a moment, the peak of a first start.
-    whole = quant.load_model(str(tiny_dir), "int8")  # the tiny linears: one piece each
+    whole = checkpoint.load_model(str(tiny_dir), "int8")  # the tiny linears: one piece each
     monkeypatch.setattr(quant, "PIECE", 64 * 24)
-    model = quant.load_model(str(tiny_dir), "int8")
+    model = checkpoint.load_model(str(tiny_dir), "int8")
     alive, counts, real = weakref.WeakSet(), [], quant.Int8Linear.pieces
 
     def pieces(self):
@@ -463,7 +463,7 @@ def test_keeping_a_model_unpacks_its_int8_weights_a_piece_at_a_time(tiny_dir, tm
 
 
 def test_a_write_removes_what_writes_by_processes_that_are_gone_left(tiny_dir, tmp_path):
-    model = quant.load_model(str(tiny_dir), "int8")
+    model = checkpoint.load_model(str(tiny_dir), "int8")
     file = modelcache.path(str(tmp_path), "v", "int8")
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, live = (file.with_name(f"{file.name}.{pid}.tmp") for pid in (gone.stdout.strip(), os.getppid()))

@@ -7,7 +7,7 @@ import gradio as gr
 import pytest
 
 from qvl import settings, texts
-from qvl.engine import quant
+from qvl.engine import modes
 from qvl.engine.remote import RemoteEngine
 from qvl.serve import answers, settings_tab
 
@@ -28,7 +28,7 @@ def test_every_text_exists_in_both_languages_with_the_same_placeholders():
 def test_every_precision_the_operator_reads_is_explained_in_their_language(lang):
     remote = RemoteEngine(settings.parse(["--backend", "http://backend.test/v1"], env={}))
     remote.close()
-    described = [quant.describe(mode) for mode in ("int8", "w8a14", "int4", "w8a16")] + [remote.precision]
+    described = [modes.describe(mode) for mode in ("int8", "w8a14", "int4", "w8a16")] + [remote.precision]
     for precision in described:
         mode, _, detail = precision.partition(":")
         assert detail and f"precision_{mode}" in texts.TEXT[lang], precision

@@ -6,7 +6,7 @@ import torch
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import generate, jit, lean, quant
+from qvl.engine import checkpoint, generate, jit, lean, modes, quant
 from qvl.engine.local import Engine
 from qvl.settings import GenParams
 
@@ -22,15 +22,15 @@ from qvl.settings import GenParams
     (frozenset(), True, "fp32"),
 ])
 def test_auto_resolves_to_a_concrete_mode_for_the_cpu(flags, halves, mode):
-    assert quant.resolve("auto", flags, halves) == mode
-    assert quant.resolve("int8", flags, halves) == "int8"  # an explicit mode is never overridden
+    assert modes.resolve("auto", flags, halves) == mode
+    assert modes.resolve("int8", flags, halves) == "int8"  # an explicit mode is never overridden
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14", "auto"])
 def test_every_mode_loads_and_answers_through_the_engine(tiny_dir, mode):
     flags = ["--model", str(tiny_dir), "--quant", mode, "--no-cache", "--no-model-cache"]
     engine = Engine(settings.parse(flags, env={}))
-    assert engine.fallback is None and engine.precision.startswith(quant.resolve(mode))
+    assert engine.fallback is None and engine.precision.startswith(modes.resolve(mode))
     *pieces, stats = engine.chat([Turn("user", "hi")], GenParams(greedy=True, max_new_tokens=5, min_new_tokens=5))
     assert stats.new_tokens == 5
 
@@ -38,7 +38,7 @@ def test_every_mode_loads_and_answers_through_the_engine(tiny_dir, mode):
 @pytest.mark.parametrize("flags, warned", [(frozenset({"AVX2"}), True), (frozenset({"AVX2", "BF16"}), False)])
 def test_bf16_matmuls_without_bf16_instructions_are_warned_of(tiny_dir, tmp_path, monkeypatch, caplog, flags, warned):
     caplog.set_level(logging.INFO, "qvl")
-    monkeypatch.setattr(quant.cpu, "flags", lambda: flags)
+    monkeypatch.setattr(modes.cpu, "flags", lambda: flags)
     store = ["--model-cache-dir", str(tmp_path)]
     for start in ("converting", "reading the model cache"):
         caplog.clear()
@@ -192,7 +192,7 @@ def test_w8a14_prefills_a_prompt_as_int8_does():
 
 
 def test_w8a14_splits_the_text_activations_and_leaves_the_vision_towers_prefill_as_int8s(tiny_dir):
-    model = quant.load_model(str(tiny_dir), "w8a14")
+    model = checkpoint.load_model(str(tiny_dir), "w8a14")
     split = {name: module.two_part for name, module in model.named_modules() if isinstance(module, quant.Int8Linear)}
     assert {name for name, two in split.items() if two} == {name for name in split if not name.startswith("model.visual.")}
     assert any(name.startswith("model.visual.") for name in split) and "lm_head" in split
@@ -225,23 +225,23 @@ def test_weights_in_two_int8_parts_compute_as_the_two_linears_of_their_parts_wou
 
 def test_w8a14_keeps_the_first_text_layers_weights_in_two_parts_which_brings_its_logits_nearer_fp32s(tiny_dir,
                                                                                                     monkeypatch):
-    """An error in the first layers runs through every layer after them (the 2B's text logits, quant.TWO_PART_LAYERS:
+    """An error in the first layers runs through every layer after them (the 2B's text logits, modes.TWO_PART_LAYERS:
     21.3 -> 28.3 dB with two of its 28 layers so kept); int8 keeps one part (its 7-bit activations cost it more)."""
     ids = torch.randint(0, 256, (1, quant.DECODE_ROWS), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        want = quant.load_model(str(tiny_dir), "fp32")(input_ids=ids).logits
+        want = checkpoint.load_model(str(tiny_dir), "fp32")(input_ids=ids).logits
 
         def error(mode):
-            model = quant.load_model(str(tiny_dir), mode)
+            model = checkpoint.load_model(str(tiny_dir), mode)
             parts = {name: m.weight_parts for name, m in model.named_modules() if isinstance(m, quant.Int8Linear)}
             return (model(input_ids=ids).logits - want).norm().item(), parts
 
         kept, parts = error("w8a14")
-        first = tuple(f"model.language_model.layers.{i}." for i in range(quant.TWO_PART_LAYERS))
+        first = tuple(f"model.language_model.layers.{i}." for i in range(modes.TWO_PART_LAYERS))
         assert {name for name, n in parts.items() if n == 2} == {name for name in parts if name.startswith(first)}
         assert any(name.startswith(first) for name in parts) and parts["lm_head"] == 1  # the tiny's 2 layers
         assert set(error("int8")[1].values()) == {1}
-        monkeypatch.setattr(quant, "TWO_PART_LAYERS", 0)
+        monkeypatch.setattr(modes, "TWO_PART_LAYERS", 0)
         one_part, parts = error("w8a14")
         assert set(parts.values()) == {1} and kept < one_part / 1.4  # 5.4 dB nearer on the tiny model
 
@@ -284,7 +284,7 @@ def test_converting_sets_apart_the_planted_loud_channels_with_the_checkpoints_we
     from safetensors.torch import load_file
 
     folder, planted = loud_dir
-    model = quant.load_model(str(folder), mode)
+    model = checkpoint.load_model(str(folder), mode)
     heads = model.config.text_config.head_dim
     linears = {name.removeprefix("model.language_model.").removesuffix(".prefill"): module
                for name, module in model.named_modules() if getattr(module, "apart", None) is not None}
@@ -301,18 +301,18 @@ def test_converting_sets_apart_the_planted_loud_channels_with_the_checkpoints_we
     assert torch.equal(linears["layers.1.self_attn.qkv_proj"].columns, qkv.T.float())
     down = weights[f"{layer}.mlp.down_proj.weight"][:, planted["mlp"][1]]
     assert torch.equal(linears["layers.1.mlp.down_proj"].columns, down.T.float())
-    plain = quant.load_model(str(tiny_dir), mode)  # random weights: no channel stands out
+    plain = checkpoint.load_model(str(tiny_dir), mode)  # random weights: no channel stands out
     assert not any(getattr(m, "apart", None) is not None for m in plain.modules())
 
 
 def test_loud_channels_whose_weights_the_checkpoint_does_not_name_stay_in_the_int8_path(loud_dir, monkeypatch, caplog):
     folder, planted = loud_dir
-    model = quant.load_model(str(folder), "fp32")
+    model = checkpoint.load_model(str(folder), "fp32")
     loud = {"model.language_model.layers.0.mlp.down_proj": torch.tensor(planted["mlp"][0]),
             "model.language_model.layers.0.mlp.odd_proj": torch.tensor([1])}
-    assert list(quant.checkpoint_columns(model, str(folder), loud)) == ["model.language_model.layers.0.mlp.down_proj"]
-    monkeypatch.setattr(quant, "checkpoint_columns", lambda *args: {})  # a layout whose names it does not know
-    model = quant.load_model(str(folder), "int8")
+    assert list(checkpoint.checkpoint_columns(model, str(folder), loud)) == ["model.language_model.layers.0.mlp.down_proj"]
+    monkeypatch.setattr(checkpoint, "checkpoint_columns", lambda *args: {})  # a layout whose names it does not know
+    model = checkpoint.load_model(str(folder), "int8")
     assert "its loud channels stay in the int8 path" in caplog.text
     assert not any(getattr(m, "apart", None) is not None for m in model.modules())
 
@@ -322,9 +322,9 @@ def test_loud_channels_apart_keep_the_planted_models_logits(loud_dir, monkeypatc
     from qvl.tools import bench
 
     folder, _ = loud_dir
-    reference, model = quant.load_model(str(folder), "fp32"), quant.load_model(str(folder), mode)
-    monkeypatch.setattr(quant, "set_loud_channels_apart", lambda *args: None)
-    together = quant.load_model(str(folder), mode)
+    reference, model = checkpoint.load_model(str(folder), "fp32"), checkpoint.load_model(str(folder), mode)
+    monkeypatch.setattr(checkpoint, "set_loud_channels_apart", lambda *args: None)
+    together = checkpoint.load_model(str(folder), mode)
     assert any(getattr(m, "apart", None) is not None for m in model.modules())
     assert not any(getattr(m, "apart", None) is not None for m in together.modules())
     ids = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(5))  # not the calibration's tokens
@@ -408,7 +408,7 @@ def _sharp(model):
 
 def test_lean_decode_loop_matches_hf_generate_greedily(tiny_dir, engine):
     from PIL import Image
-    model = _sharp(quant.load_model(str(tiny_dir), "fp32"))
+    model = _sharp(checkpoint.load_model(str(tiny_dir), "fp32"))
     image = Image.radial_gradient("L").convert("RGB").resize((96, 64))
     inputs, _ = engine._inputs([Turn("user", "what is this?", (image,))], GenParams())
     params = GenParams(greedy=True, max_new_tokens=16, min_new_tokens=16)
@@ -419,7 +419,7 @@ def test_lean_decode_loop_matches_hf_generate_greedily(tiny_dir, engine):
 
 
 def test_sampling_is_reproducible_per_seed_and_stops_at_eos(tiny_dir, engine):
-    model = _sharp(quant.load_model(str(tiny_dir), "fp32"))
+    model = _sharp(checkpoint.load_model(str(tiny_dir), "fp32"))
     inputs, _ = engine._inputs([Turn("user", "hello there")], GenParams())
     eos = model.generation_config.eos_token_id
     run = lambda seed: list(generate.stream(model, inputs, GenParams(seed=seed, max_new_tokens=40), threading.Event()))
@@ -451,7 +451,7 @@ def test_stop_event_and_closing_end_generation_within_one_step(tiny_dir, engine,
 
 
 def _logits(model):
-    quant._float_rest(model)
+    checkpoint._float_rest(model)
     with torch.inference_mode():
         return model(input_ids=torch.tensor([[1, 2, 3, 4, 5]])).logits
 
@@ -459,10 +459,10 @@ def _logits(model):
 def test_the_streamed_load_builds_the_same_model_as_converting_a_whole_load(tiny_dir):
     from transformers import AutoModelForImageTextToText
 
-    streamed = quant._load_converting(str(tiny_dir), quant._int8)
+    streamed = checkpoint._load_converting(str(tiny_dir), checkpoint._int8)
     whole = AutoModelForImageTextToText.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     lean.fuse(whole)
-    quant._replace_linears(whole, quant._int8)
+    checkpoint._replace_linears(whole, checkpoint._int8)
     assert torch.equal(_logits(streamed), _logits(whole))
     assert not any(isinstance(m, torch.nn.Linear) for m in streamed.modules())  # the tied head too
 
@@ -476,8 +476,8 @@ def test_an_unknown_checkpoint_layout_is_loaded_whole_instead(tiny_dir, tmp_path
     weights = load_file(tiny_dir / "model.safetensors")
     save_file({**weights, "model.extra_projection.weight": torch.zeros(2, 2)}, tmp_path / "odd" / "model.safetensors")
     with pytest.raises(KeyError, match="extra_projection"):
-        quant._load_converting(str(tmp_path / "odd"), quant._int8)
-    model = quant.load_model(str(tmp_path / "odd"), "int8")
+        checkpoint._load_converting(str(tmp_path / "odd"), checkpoint._int8)
+    model = checkpoint.load_model(str(tmp_path / "odd"), "int8")
     assert "loading the checkpoint whole" in caplog.text and isinstance(model.lm_head, quant.Int8Linear)
     assert _logits(model).shape[-1] == model.config.text_config.vocab_size
 
@@ -493,7 +493,7 @@ def test_linears_convert_side_by_side_in_order_with_a_bounded_number_in_flight()
         return i * i
 
     results = []
-    for name, value in quant.side_by_side(((f"linear{i}", lambda i=i: job(i)) for i in range(6)), workers=2):
+    for name, value in checkpoint.side_by_side(((f"linear{i}", lambda i=i: job(i)) for i in range(6)), workers=2):
         results.append((name, value))
         assert len(started) <= len(results) + 2  # at most workers + 1 in flight, counting the one handed back
     assert results == [(f"linear{i}", i * i) for i in range(6)]

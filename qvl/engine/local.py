@@ -18,7 +18,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDe
 
 from qvl import conversation, images, texts
 from qvl.conversation import Stats, Turn
-from qvl.engine import cpu, features, generate, heap, jit, kv, modelcache, quant, tiny
+from qvl.engine import cpu, features, generate, heap, jit, kv, modelcache, modes, quant, tiny
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
 from qvl.sizes import parse_size
@@ -125,11 +125,11 @@ class Engine:
         self.folder = _local_copy(source)
         self.processor = ImageOnlyProcessor.from_pretrained(self.folder, backend="pil")
         self.weights = modelcache.weights_version(self.folder)
-        self.mode = mode = quant.resolve(self.settings.quant)
-        if mode in ("bf16", "w8a16") and not quant.native_bf16():  # said on every start, converting or not
+        self.mode = mode = modes.resolve(self.settings.quant)
+        if mode in ("bf16", "w8a16") and not modes.native_bf16():  # said on every start, converting or not
             log.warning("--quant %s on a CPU without bf16 instructions: its bf16 matmuls are emulated, several times "
                         "slower than int8 (what auto picks here)", mode)
-        self.precision = quant.describe(mode)
+        self.precision = modes.describe(mode)
         self.model_id = source
         limit = AutoConfig.from_pretrained(self.folder).text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context, limit)

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qvl.engine import cpu, heap, quant
+from qvl.engine import checkpoint, cpu, heap, modes, quant
 
 log = logging.getLogger("qvl")
 
@@ -57,7 +57,7 @@ log = logging.getLogger("qvl")
 # workers at once; smaller ones are packed one per worker (more threads would only take cores from the imports).
 MANY_PIECES = 12
 LAYOUT = "4"  # what is stored for each module: change it whenever that changes, so older files are rebuilt
-_NAMES = {dtype: name for name, dtype in quant.DTYPES.items()}
+_NAMES = {dtype: name for name, dtype in checkpoint.DTYPES.items()}
 
 
 def checkpoint_folder(source: str) -> str | None:
@@ -118,7 +118,7 @@ def read_ahead(settings) -> "Reader | None":
     """Start reading the stored model that Engine(settings) will load, if there is one; call it before importing
     transformers, and give the Reader to the Engine. None when there is nothing to read or anything is amiss (no such
     folder, a foreign file): the engine finds that again, and says it."""
-    mode = quant.resolve(settings.quant)
+    mode = modes.resolve(settings.quant)
     if not settings.model_cache or mode in ("fp32", "bf16"):
         return None
     try:
@@ -133,25 +133,25 @@ def read_ahead(settings) -> "Reader | None":
 
 
 def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reader | None" = None,
-         report=quant.unreported):
-    """(model, keep): quant.load_model(source, mode, report), read from the model cache in folder when it
+         report=checkpoint.unreported):
+    """(model, keep): checkpoint.load_model(source, mode, report), read from the model cache in folder when it
     holds this model (None: off), through ahead when that is reading this model's file.
 
     keep is None, or, after converting, keep(go_on) writes the converted model to the model cache: fbgemm unpacks
     every weight for it (a minute on 2 cores for the 2B), so the engine runs it once it serves; go_on() is asked
     before each tensor, may wait, and ends the write without a file when it returns False."""
-    mode = quant.resolve(mode)
+    mode = modes.resolve(mode)
     file, want = (None, None) if folder is None else (path(folder, weights, mode), key(weights, mode))
     if ahead is not None and ahead.file != file:
         ahead.close()  # not what this start loads after all
         ahead = None
     if folder is None or mode in ("fp32", "bf16"):
-        return quant.load_model(source, mode, report), None
+        return checkpoint.load_model(source, mode, report), None
     if file.exists():
         try:
             model = _read(ahead or Reader(file, want), source, report)
             if mode == "w8a14":
-                quant.in_two_parts(model)
+                checkpoint.in_two_parts(model)
             log.info("loaded the %s model from the model cache %s%s", mode, file,
                      " (read ahead, while the imports ran)" if ahead else "")
             return model, None
@@ -160,7 +160,7 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
                         file, type(e).__name__, str(e)[:200])
     log.info("converting the checkpoint to %s (%s weights), once: later starts read %s", mode,
              f"{weight_count(source):,}", file)
-    model = quant.load_model(source, mode, report)
+    model = checkpoint.load_model(source, mode, report)
 
     def keep(go_on):
         try:
@@ -318,7 +318,7 @@ class Reader:
         cpu.background()
         try:
             crc = [0]
-            for name, linear in quant.side_by_side(self._modules(crc), self._workers):
+            for name, linear in checkpoint.side_by_side(self._modules(crc), self._workers):
                 self._put(name, linear)
             if not self._closing.is_set() and f"{crc[0]:08x}" != self._metadata["crc32"]:
                 raise ValueError("data does not match its CRC-32")
@@ -365,7 +365,7 @@ class Reader:
     def _mapped(self):
         """(name, tensor) for each stored tensor in file order, a view of the mapping."""
         for name, (start, end) in sorted(self._spans.items(), key=lambda item: item[1]):
-            dtype = quant.DTYPES[self._header[name]["dtype"]]
+            dtype = checkpoint.DTYPES[self._header[name]["dtype"]]
             yield name, (torch.frombuffer(self._map, dtype=dtype, offset=start, count=(end - start) // dtype.itemsize)
                          if end > start else torch.empty(0, dtype=dtype)).reshape(self._header[name]["shape"])
 
@@ -383,21 +383,21 @@ class Reader:
             self._changed.notify_all()
 
 
-def _read(reader: Reader, source: str, report=quant.unreported) -> nn.Module:
+def _read(reader: Reader, source: str, report=checkpoint.unreported) -> nn.Module:
     """The model assembled from what reader reads; raises for a file that is spoiled or does not fit the model."""
     from qvl.engine import lean
 
     try:
-        model = quant.skeleton(source)
+        model = checkpoint.skeleton(source)
         lean.fuse(model, copy=False)
         modules = list(model.named_modules())
         sizes = [sum(p.numel() for p in module.parameters(recurse=False)) for _, module in modules]
         total = sum(sizes)
         for (prefix, module), done in zip(modules, itertools.accumulate(sizes)):
             if isinstance(module, nn.Linear):
-                quant.swap(model, prefix, _linear(reader, prefix, module.out_features))
-            elif prefix == quant.EMBEDDING:
-                quant.swap(model, prefix, quant.Bf16Embedding(reader.take(f"{prefix}.weight")))
+                checkpoint.swap(model, prefix, _linear(reader, prefix, module.out_features))
+            elif prefix == checkpoint.EMBEDDING:
+                checkpoint.swap(model, prefix, quant.Bf16Embedding(reader.take(f"{prefix}.weight")))
             else:
                 for name in [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]:
                     tensor = reader.take(f"{prefix}.{name}")

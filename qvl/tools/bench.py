@@ -41,7 +41,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import cpu, generate, jit, lean, modelcache, quant, tiny
+from qvl.engine import checkpoint, cpu, generate, jit, lean, modelcache, quant, tiny
 from qvl.engine.local import Engine
 
 CONFIG = Path(__file__).with_name("qwen3-vl-2b-instruct.config.json")
@@ -457,7 +457,7 @@ LINEAR_WAYS = {
     "int8, activations in two parts, loud channels apart": lambda name, linear, loud:
         _decoding(_apart(quant._dynamic_int8(linear), loud)),
     "the same, the first text layers' weights in two parts (`w8a14`'s decode)": lambda name, linear, loud:
-        _decoding(_apart(quant._w8a14(name, linear), loud)),
+        _decoding(_apart(checkpoint._w8a14(name, linear), loud)),
     "int8, a scale per token": lambda name, linear, loud: quant._dynamic_int8(linear),
     "int8, one scale per call": lambda name, linear, loud: _Call(quant._dynamic_int8(linear)._matmul),  # qvl's first
     "int8 weights, fp32 activations": lambda name, linear, loud: _Call(
@@ -504,7 +504,7 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
     int8 weights with fp32 activations bounds what any activation remedy (per-token or finer scales, outlier
     columns, rotations) can reach with these int8 weights; bf16 is what the issue's target is set against.
     """
-    model = quant.load_model(folder, "fp32")
+    model = checkpoint.load_model(folder, "fp32")
     model.model.visual = None  # text only: 1.6 GB of the 2B's fp32 model
     floats = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
@@ -515,13 +515,13 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
 
     def computing(way, loud):
         for name, linear in floats.items():
-            quant.swap(model, name, LINEAR_WAYS[way](name, linear, loud.get(name)))
+            checkpoint.swap(model, name, LINEAR_WAYS[way](name, linear, loud.get(name)))
 
     reference = logits()
     computing("int8, a scale per token", {})  # calibrated as a conversion calibrates: through the quantized linears
-    channels = quant.loud_channels(model, folder, {name: model.get_submodule(name) for name in floats})
+    channels = checkpoint.loud_channels(model, folder, {name: model.get_submodule(name) for name in floats})
     loud = {name: (channels[name], columns)
-            for name, columns in quant.checkpoint_columns(model, folder, channels).items()}
+            for name, columns in checkpoint.checkpoint_columns(model, folder, channels).items()}
     rows = []
     for way in LINEAR_WAYS:
         computing(way, loud)

@@ -1,0 +1,50 @@
+"""Which quantization mode each CPU gets: the mode names, what `auto` stands for on this CPU, and how the engine
+describes each mode.
+
+Light on purpose (no torch): qvl.settings reads the names for --quant. Why each CPU family gets what it gets:
+docs/quantization.md, "What `auto` picks".
+"""
+from qvl.engine import cpu
+
+# Every concrete mode, in --help's order; `auto` stands for one of them (resolve).
+MODES = ("fp32", "bf16", "int8", "int4", "w8a16", "w8a14")
+# int4's scale/zero group: 32 gains little accuracy on these weights and decodes 40% slower.
+GROUP = 128
+# w8a14 keeps the first text layers' weights in two int8 parts, since an error there runs through every layer after
+# them (docs/quantization.md, "How `w8a14` works").
+TWO_PART_LAYERS = 2
+
+
+def resolve(mode: str, flags: frozenset[str] | None = None, halves: bool | None = None) -> str:
+    """The concrete mode `auto` stands for on a CPU with these instruction sets and whose cores do (halves) or do not
+    split 256-bit operations in two (default: this CPU's); any other mode as it is."""
+    if mode != "auto":
+        return mode
+    flags = cpu.flags() if flags is None else flags
+    halves = cpu.halves_256_bit() if halves is None else halves
+    # Where fbgemm's kernel is bound by reading the weights, it reads a second decode row nearly free.
+    if "VNNI" in flags or ("AVX2" in flags and not halves):
+        return "w8a14"
+    # fbgemm needs AVX2; without it, it and the int4 kernel fall back to scalar loops slower than fp32.
+    return "int8" if "AVX2" in flags else "fp32"
+
+
+def native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether a CPU with these instruction sets (default: this CPU's) computes bf16 dot products in hardware; without
+    them bf16 matmuls are emulated, several times slower than fbgemm's int8."""
+    return bool((cpu.flags() if flags is None else flags) & {"BF16", "AMX"})
+
+
+def describe(mode: str) -> str:
+    """The precision/quantization of a concrete mode, as the engine reports it (and puts in its identity)."""
+    return {
+        # Part of the answer cache's key: it names what changes answers (the activation scale per token, too).
+        "int8": "int8: fbgemm dynamic int8 linears and head, a scale per token, loud text channels apart, "
+                "embedding bf16",
+        "int4": f"int4: vision fbgemm int8, text int4 g{GROUP} decode + int8 prefill, a scale per token, loud text "
+                "channels apart, head int4, embedding bf16",
+        "w8a16": "w8a16: int8 weights (a scale per row) with bf16 activations for every linear and the head, loud "
+                 "text channels apart, embedding bf16",
+        "w8a14": "w8a14: fbgemm int8 linears and head, a scale per token, decode rows in two parts (14 bits), "
+                 "loud text channels apart, embedding bf16",
+    }.get(mode, mode)
