@@ -497,3 +497,39 @@ def test_linears_convert_side_by_side_in_order_with_a_bounded_number_in_flight()
         results.append((name, value))
         assert len(started) <= len(results) + 2  # at most workers + 1 in flight, counting the one handed back
     assert results == [(f"linear{i}", i * i) for i in range(6)]
+
+
+def _read_back(layer):
+    """layer's stored tensors as the model cache reads them back: each whole, a copy."""
+    return {name: chunks.clone() if isinstance(chunks, torch.Tensor) else torch.cat(list(chunks))
+            for name, chunks in layer.to_tensors()}
+
+
+@pytest.mark.parametrize("mode, kinds", [
+    ("int8", {quant.Bf16Embedding, quant.Int8Linear}),
+    ("w8a14", {quant.Bf16Embedding, quant.Int8Linear}),
+    ("int4", {quant.Bf16Embedding, quant.Int8Linear, quant.Int4Linear}),  # vision int8, text int4 with int8 twins
+    ("w8a16", {quant.Bf16Embedding, quant.Int8WeightOnly}),
+])
+def test_every_quantized_layer_built_from_its_stored_tensors_answers_exactly_as_it_did(tiny_dir, loud_dir, mode,
+                                                                                        kinds):
+    torch.manual_seed(0)
+    for folder in (tiny_dir, loud_dir[0]):  # the loud model's text linears compute channels apart
+        model = checkpoint.load_model(str(folder), mode)
+        layers = {name: m for name, m in model.named_modules() if isinstance(m, quant.Stored)}
+        assert {type(layer) for layer in layers.values()} == kinds
+        for name, layer in layers.items():
+            rebuilt = type(layer).from_tensors(_read_back(layer))
+            assert type(rebuilt) is type(layer)
+            if isinstance(layer, quant.Bf16Embedding):
+                ids = torch.arange(layer.weight.shape[0])
+                assert torch.equal(rebuilt(ids), layer(ids)), name
+                continue
+            # A decode row, w8a14's decode rows in two parts, a prompt (int4's int8 twin, a scale per token).
+            for rows in (1, quant.DECODE_ROWS, 3 * quant.DECODE_ROWS):
+                x = torch.randn(rows, layer.in_features)
+                assert torch.equal(rebuilt(x), layer(x)), (name, rows)
+    assert any(getattr(layer, "apart", None) is not None for layer in layers.values())
+    if mode == "w8a14":  # what it adds to int8's layers came back too
+        int8 = [layer for layer in layers.values() if isinstance(layer, quant.Int8Linear)]
+        assert any(layer.two_part for layer in int8) and any(layer.weight_parts == 2 for layer in int8)

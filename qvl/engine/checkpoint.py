@@ -31,8 +31,8 @@ def unreported(phase: str, done: float | None):
 
 
 def load_model(source: str, mode: str, report=unreported) -> nn.Module:
-    """The model of source (a checkpoint folder) in `mode` (modes.describe() says what that is); report is told how far it
-    is, as unreported is."""
+    """The model of source (a checkpoint folder) in `mode` (modes.describe() says what that is); report is told how
+    far it is, as unreported is."""
     from transformers import AutoModelForImageTextToText
 
     from qvl.engine import lean
@@ -84,7 +84,8 @@ def _w8a14(name: str, linear: nn.Linear) -> nn.Module:
 def _int4(name: str, linear: nn.Linear) -> nn.Module:
     if name.startswith("model.visual."):  # the vision tower only ever prefills: fbgemm int8 is fastest there
         return quant._dynamic_int8(linear)
-    return quant.Int4Linear.quantize(linear, prefill=name != "lm_head")  # the head's prefill needs only the last row's logits
+    # The head's prefill needs only the last row's logits: no int8 twin.
+    return quant.Int4Linear.quantize(linear, prefill=name != "lm_head")
 
 
 def _w8a16(name: str, linear: nn.Linear) -> nn.Module:
@@ -92,8 +93,8 @@ def _w8a16(name: str, linear: nn.Linear) -> nn.Module:
 
 
 def in_two_parts(model: nn.Module):
-    """w8a14: every fbgemm text linear quantizes each decode row in two parts (quant.Int8Linear._two_part); the vision tower
-    only prefills."""
+    """w8a14: every fbgemm text linear quantizes each decode row in two parts (quant.Int8Linear._two_part); the vision
+    tower only prefills."""
     for name, module in model.named_modules():
         if isinstance(module, quant.Int8Linear) and not name.startswith("model.visual."):
             module.two_part = True

@@ -4,16 +4,13 @@ Converting the bf16 checkpoint (quantizing every linear) takes most of a quantiz
 written once, per checkpoint and mode, to MODE-WEIGHTS.safetensors in the model cache folder, and later starts
 read them back. fp32 and bf16 load the checkpoint as it is, so they have nothing to keep.
 
-What is stored, as plain tensors (safetensors, never unpickled): for an fbgemm int8 linear its int8 weight, per-row
-scales and zero points (two rows for each output channel where the weights are in two parts, and their count), its
-bias, and the loud input channels it computes apart with their weights (fbgemm packs its own layout at load, a
-fraction of converting); for an int4 linear its packed weight, scales and zeros; for a w8a16
-linear its int8 weight and scales (and loud channels), used as they are read; everything else (bf16 token table, fp32
-norms) as the model holds it.
-The file's metadata holds the key, what makes it valid: the checkpoint's weights version, the mode, LAYOUT and the
-torch version, and a CRC-32 of the data. A file whose key differs, or that is truncated or corrupted, is ignored
-with one log line and written again; one that cannot be written (disk full, read-only folder) is logged, and the
-start goes on with the converted model as before.
+What is stored, as plain tensors (safetensors, never unpickled): each quantized layer's own tensors, which the layer
+names and is built again from (quant.Stored: fbgemm's int8 weights are stored as int8 values and packed into
+fbgemm's layout at load, a fraction of converting), and everything else (fp32 norms, the vision tower's convolution)
+as the model holds it. The file's metadata holds the key, what makes it valid: the checkpoint's weights version, the
+mode, LAYOUT and the torch version; which class each quantized layer is; and a CRC-32 of the data. A file whose key
+differs, or that is truncated or corrupted, is ignored with one log line and written again; one that cannot be
+written (disk full, read-only folder) is logged, and the start goes on with the converted model as before.
 
 fbgemm's packing is what is left of converting, and it packs a weight of a few million values 2-2.5x faster per value
 than a large one: int8 linears are packed in pieces of quant.PIECE values, so the model is answerable sooner, and
@@ -28,8 +25,8 @@ is copied out, and either way the pages are then dropped from the mapping (they 
 process's memory). So loading holds the stored tensors plus a few packed modules at most, as converting does.
 
 Reading and packing need only torch: read_ahead() lets a start begin them before transformers and Gradio import
-(seconds of one core; packing releases the GIL), and the model is then assembled from that Reader, each linear taken
-as soon as it is packed.
+(seconds of one core; packing releases the GIL), and the model is then assembled from that Reader, each layer taken
+as soon as it is built.
 """
 import atexit
 import functools
@@ -56,7 +53,7 @@ log = logging.getLogger("qvl")
 # A module in more pieces than this (over half a second of packing on one core here) is packed by all the reader's
 # workers at once; smaller ones are packed one per worker (more threads would only take cores from the imports).
 MANY_PIECES = 12
-LAYOUT = "4"  # what is stored for each module: change it whenever that changes, so older files are rebuilt
+LAYOUT = "5"  # what is stored, here and in each layer's to_tensors(): change it with them, so older files are rebuilt
 _NAMES = {dtype: name for name, dtype in checkpoint.DTYPES.items()}
 
 
@@ -150,8 +147,6 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
     if file.exists():
         try:
             model = _read(ahead or Reader(file, want), source, report)
-            if mode == "w8a14":
-                checkpoint.in_two_parts(model)
             log.info("loaded the %s model from the model cache %s%s", mode, file,
                      " (read ahead, while the imports ran)" if ahead else "")
             return model, None
@@ -185,25 +180,26 @@ def _sweep(file: Path):
             pass
 
 
+def _modules(model: nn.Module):
+    """(name, module) for what the converted model stores: each quantized layer, which stores what is under it too,
+    and every other module, which stores its own parameters and buffers."""
+    under = None  # the last layer's name and a dot
+    for prefix, module in model.named_modules():
+        if under is not None and prefix.startswith(under):
+            continue  # stored by the layer above it
+        if isinstance(module, quant.Stored):
+            under = f"{prefix}."
+        yield prefix, module
+
+
 def _tensors(model: nn.Module, data: bool = True):
     """(name, chunks) for everything the converted model holds, in a form that load() can rebuild it from: the tensor
-    stored under name is chunks, a tensor or an iterable of them, concatenated along the first dimension. Without
-    data, the int8 linears' values are a stand-in of their dtype and shape on the meta device (fbgemm unpacking them
-    is most of a write's time)."""
-    for prefix, module in model.named_modules():
-        if isinstance(module, quant.Int8Linear):
-            # The stored form of a per-channel torch.qint8 weight: int8 values, float64 scales, int64 zero points (0).
-            rows = len(module.scale)  # two per output channel where its weights are in two parts
-            values = module.pieces() if data else torch.empty((rows, module.in_features), dtype=torch.int8,
-                                                                device="meta")
-            yield from [(f"{prefix}.qweight", values), (f"{prefix}.scale", module.scale.double()),
-                        (f"{prefix}.zero_point", torch.zeros(rows, dtype=torch.int64))]
-            if module.weight_parts > 1:
-                yield f"{prefix}.weight_parts", torch.tensor([module.weight_parts])
-            if module.apart is not None:
-                yield from [(f"{prefix}.apart", module.apart), (f"{prefix}.columns", module.columns)]
-            if module.bias is not None:
-                yield f"{prefix}.bias", module.bias.detach()
+    stored under name is chunks, a tensor or an iterable of them, concatenated along the first dimension. A quantized
+    layer gives its own (quant.Stored.to_tensors; without data some may be stand-ins on the meta device, fbgemm
+    unpacking its weights being most of a write's time)."""
+    for prefix, module in _modules(model):
+        if isinstance(module, quant.Stored):
+            yield from ((f"{prefix}.{name}", chunks) for name, chunks in module.to_tensors(data))
             continue
         for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
             if tensor is not None:
@@ -221,7 +217,8 @@ def _write(file: Path, model: nn.Module, want: dict, go_on=lambda: True) -> bool
         header[name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
-    header["__metadata__"] = {**want, "crc32": "00000000"}  # filled in once the data is written
+    layers = {prefix: type(module).__name__ for prefix, module in _modules(model) if isinstance(module, quant.Stored)}
+    header["__metadata__"] = {**want, "layers": json.dumps(layers), "crc32": "00000000"}  # crc32: once written
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
     file.parent.mkdir(parents=True, exist_ok=True)
@@ -262,8 +259,8 @@ atexit.register(lambda: [reader.close() for reader in list(_OPEN)])
 
 class Reader:
     """One stored model file, read in file order by a thread of its own: each tensor checked into a CRC-32, each
-    fbgemm int8 weight packed into an Int8Linear (in pieces, up to `workers` at once, default torch's intra-op threads)
-    as soon as its module's tensors are in. take() hands them out as they come.
+    quantized layer built from its tensors (quant.Stored.from_tensors: fbgemm packs its int8 weights, up to `workers`
+    layers at once, default torch's intra-op threads) as soon as they are in. take() hands them out as they come.
 
     Raises ValueError at once for a file made for another key (nothing of it is read).
     """
@@ -276,6 +273,9 @@ class Reader:
             self._metadata = header.pop("__metadata__", {})
             if (found := {k: self._metadata.get(k) for k in want}) != want:
                 raise ValueError(f"made for {found}, not {want}")
+            self.layers = json.loads(self._metadata["layers"])  # {name: the quant.Stored class it is stored as}
+            if unknown := set(self.layers.values()) - set(quant.STORED):
+                raise ValueError(f"layers of unknown kinds {sorted(unknown)}")
             # A mapping read past the file's end kills the process (SIGBUS), so a truncated file is refused here.
             # qvl replaces files whole (os.replace), never truncating one in place, and the mapping lives only while
             # the model loads (what the model keeps is copied out).
@@ -284,7 +284,7 @@ class Reader:
             if max((end for _, end in self._spans.values()), default=0) > os.fstat(f.fileno()).st_size:
                 raise ValueError("truncated")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # copy on write: writable, never written
-        self.names, self._header = set(header), header
+        self._header = header
         self._ready, self._done, self._error = {}, False, None
         self._changed, self._closing = threading.Condition(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="read-ahead", daemon=True)
@@ -292,8 +292,8 @@ class Reader:
         self._thread.start()
 
     def take(self, name: str):
-        """The tensor stored under name, or the Int8Linear packed from the fbgemm weight of the module named name,
-        once it is in; it is handed out once. Raises whatever spoiled the reading."""
+        """The tensor stored under name, or the layer of that name (one of self.layers), once it is in; it is handed
+        out once. Raises whatever spoiled the reading."""
         with self._changed:
             while name not in self._ready and not self._done:
                 self._changed.wait()
@@ -318,8 +318,8 @@ class Reader:
         cpu.background()
         try:
             crc = [0]
-            for name, linear in checkpoint.side_by_side(self._modules(crc), self._workers):
-                self._put(name, linear)
+            for name, layer in checkpoint.side_by_side(self._layers(crc), self._workers):
+                self._put(name, layer)
             if not self._closing.is_set() and f"{crc[0]:08x}" != self._metadata["crc32"]:
                 raise ValueError("data does not match its CRC-32")
         except Exception as e:
@@ -333,34 +333,60 @@ class Reader:
                 self._done = True
                 self._changed.notify_all()
 
-    def _modules(self, crc: list):
-        """(module name, job packing its Int8Linear) for each fbgemm weight, in file order (the file holds each
-        module's tensors together); every other tensor is put out as it is read."""
-        module, pending = None, {}
+    def _layers(self, crc: list):
+        """(layer name, job building it) for each stored layer, in file order (the file holds each layer's tensors
+        together); every other tensor is put out as it is read."""
+        layer, tensors = None, {}
         if hasattr(mmap, "MADV_WILLNEED"):  # not on Windows
-            self._map.madvise(mmap.MADV_WILLNEED)  # from a cold disk, read ahead while the first modules are packed
+            self._map.madvise(mmap.MADV_WILLNEED)  # from a cold disk, read ahead while the first layers are built
         for name, tensor in itertools.chain(self._mapped(), [("", None)]):  # "": the end
             if self._closing.is_set():
                 return
-            owner = name.rpartition(".")[0]
-            if owner != module and pending:
-                yield module, functools.partial(_fbgemm, pending, module, self._workers, self._drop)
-                pending = {}
-            module = owner
+            owner = self._layer(name)
+            if owner != layer and tensors:
+                yield layer, functools.partial(self._build, layer, tensors)
+                tensors = {}
+            layer = owner
             if tensor is None:
                 continue
             crc[0] = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc[0])
-            if name == f"{owner}.qweight":  # a view: fbgemm packs from it, then it is dropped
-                pending[name] = tensor
+            own = name[len(owner) + 1:] if owner is not None else None
+            if owner is not None and own in quant.STORED[self.layers[owner]].BORROWED:
+                tensors[own] = tensor  # a view: packed from, then dropped
                 continue
             # What the model keeps is copied out: kernels may read past a tensor's end (torch's int8 weight-only
             # kernel reads whole blocks of rows), which past the mapping's end is a crash.
             kept = tensor.clone()
             self._drop(name)
-            if f"{owner}.qweight" in self.names:
-                pending[name] = kept  # packed with its module's weight once that module is complete
+            if owner is not None:
+                tensors[own] = kept  # built into its layer once the layer's tensors are all in
             else:
                 self._put(name, kept)
+
+    def _layer(self, name: str) -> str | None:
+        """The stored layer that the tensor stored under name belongs to, None for a tensor of no layer."""
+        while name:
+            name = name.rpartition(".")[0]
+            if name in self.layers:
+                return name
+        return None
+
+    def _build(self, name: str, tensors: dict) -> nn.Module:
+        kind = quant.STORED[self.layers[name]]
+        layer = kind.from_tensors(tensors, self._pack)
+        for borrowed in kind.BORROWED:
+            if tensors.pop(borrowed, None) is not None:
+                self._drop(f"{name}.{borrowed}")  # packed: its stored pages need not stay beside the packed layout
+        return layer
+
+    def _pack(self, function, pieces):
+        """map, for the pieces of a layer's weight: a layer in more than MANY_PIECES is packed by all the reader's
+        workers at once, a smaller one in this thread."""
+        pieces = list(pieces)
+        if len(pieces) <= MANY_PIECES:  # the layers built beside it keep the other cores busy
+            return map(function, pieces)
+        with ThreadPoolExecutor(self._workers, thread_name_prefix="pack", initializer=cpu.background) as pool:
+            return list(pool.map(function, pieces))
 
     def _mapped(self):
         """(name, tensor) for each stored tensor in file order, a view of the mapping."""
@@ -394,10 +420,8 @@ def _read(reader: Reader, source: str, report=checkpoint.unreported) -> nn.Modul
         sizes = [sum(p.numel() for p in module.parameters(recurse=False)) for _, module in modules]
         total = sum(sizes)
         for (prefix, module), done in zip(modules, itertools.accumulate(sizes)):
-            if isinstance(module, nn.Linear):
-                checkpoint.swap(model, prefix, _linear(reader, prefix, module.out_features))
-            elif prefix == checkpoint.EMBEDDING:
-                checkpoint.swap(model, prefix, quant.Bf16Embedding(reader.take(f"{prefix}.weight")))
+            if prefix in reader.layers:
+                checkpoint.swap(model, prefix, reader.take(prefix))
             else:
                 for name in [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]:
                     tensor = reader.take(f"{prefix}.{name}")
@@ -405,46 +429,10 @@ def _read(reader: Reader, source: str, report=checkpoint.unreported) -> nn.Modul
                         module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
                     else:
                         module._buffers[name] = tensor
-            report("reading", done / total)  # each module waited until the reader had it in, packed
+            report("reading", done / total)  # each module waited until the reader had it in, built
         if left := reader.finish():
             raise ValueError(f"tensors this model does not have, e.g. {left[0]}")
     finally:
         reader.close()
     heap.trim()
     return model
-
-
-def _linear(reader: Reader, prefix: str, out_features: int) -> nn.Module:
-    """The converted module for the linear at prefix: the reader's Int8Linear, or an Int4Linear or Int8WeightOnly of
-    its tensors."""
-    if f"{prefix}.qweight" in reader.names:
-        return reader.take(prefix)
-    bias = reader.take(f"{prefix}.bias") if f"{prefix}.bias" in reader.names else None
-    if f"{prefix}.int8_weight" in reader.names:
-        linear = quant.Int8WeightOnly(reader.take(f"{prefix}.int8_weight"), reader.take(f"{prefix}.scale"), bias)
-        if f"{prefix}.apart" in reader.names:
-            linear.set_apart(reader.take(f"{prefix}.apart"), reader.take(f"{prefix}.columns"))
-        return linear
-    prefill = reader.take(f"{prefix}.prefill") if f"{prefix}.prefill.qweight" in reader.names else None
-    return quant.Int4Linear(reader.take(f"{prefix}.packed"), reader.take(f"{prefix}.scale_zero"), bias, out_features,
-                            prefill)
-
-
-def _fbgemm(tensors: dict, prefix: str, workers: int, drop) -> nn.Module:
-    values = tensors.pop(f"{prefix}.qweight")  # over the mapping: fbgemm packs straight from the page cache
-    scale, bias = tensors.pop(f"{prefix}.scale"), tensors.pop(f"{prefix}.bias", None)
-    parts = int(tensors.pop(f"{prefix}.weight_parts", 1))
-    if tensors.pop(f"{prefix}.zero_point").any():  # no conversion of qvl's makes them: not a file of its own
-        raise ValueError(f"{prefix} has asymmetric int8 weights")
-    # In pieces, which fbgemm packs faster; the engine settles them into whole linears once it is serving.
-    rows = max(1, quant.PIECE // values.shape[1])
-    if values.shape[0] <= rows * MANY_PIECES:  # the modules packed beside it keep the other cores busy
-        linear = quant.Int8Linear(values, scale, bias, rows=rows, parts=parts)
-    else:  # the 2B's head, 75 pieces and last in the file, was the last ~3 s of a start on one core, the other idle
-        with ThreadPoolExecutor(workers, thread_name_prefix="pack", initializer=cpu.background) as pool:
-            linear = quant.Int8Linear(values, scale, bias, rows=rows, pack=pool.map, parts=parts)
-    del values
-    drop(f"{prefix}.qweight")  # packed: its stored pages need not stay beside the packed layout
-    if f"{prefix}.apart" in tensors:
-        linear.set_apart(tensors.pop(f"{prefix}.apart"), tensors.pop(f"{prefix}.columns"))
-    return linear

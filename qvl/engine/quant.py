@@ -24,22 +24,50 @@ prompting = contextvars.ContextVar("prompting", default=False)
 PROMPT_TWINS = frozenset({"int4"})
 
 
-class Bf16Embedding(nn.Module):
+class Stored(nn.Module):
+    """A layer that says how it is stored: to_tensors() gives its tensors by name and from_tensors() builds it again
+    from them, answering exactly as before (the model cache keeps every layer so, and its LAYOUT changes with them)."""
+
+    # Tensors that from_tensors() only reads (fbgemm packs them into a layout of its own) and does not keep: a store
+    # may hand them over as views of its file.
+    BORROWED = ()
+
+    def to_tensors(self, data: bool = True):
+        """(name, chunks) for each tensor, where chunks is a tensor or an iterable of tensors joined along the first
+        dimension; without data, a tensor slow to make may be a stand-in of its dtype and shape on the meta device."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_tensors(cls, tensors: dict, pack=map) -> "Stored":
+        """The layer of to_tensors()'s tensors ({name: tensor}); pack: map, or one that packs pieces side by side."""
+        raise NotImplementedError
+
+
+class Bf16Embedding(Stored):
     """The token table in bf16 (a gather reads one row per token, so precision costs nothing in speed)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.register_buffer("weight", weight.detach().to(torch.bfloat16))  # a buffer: model.dtype stays fp32
 
+    def to_tensors(self, data=True):
+        yield "weight", self.weight
+
+    @classmethod
+    def from_tensors(cls, tensors, pack=map):
+        return cls(tensors["weight"])
+
     def forward(self, ids):
         return F.embedding(ids, self.weight).float()
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(Stored):
     """Weight-only int4 (asymmetric, groups of GROUP) with bf16 activations; an optional fbgemm int8 twin for prefill.
 
     Built from its stored tensors (the model cache) or by quantize() from a float linear.
     """
+
+    BORROWED = ("prefill.qweight",)
 
     def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, bias, out_features: int, prefill):
         super().__init__()
@@ -67,6 +95,21 @@ class Int4Linear(nn.Module):
         scale_zero = torch.stack([scale, zero], -1).squeeze(2).transpose(0, 1).contiguous().bfloat16()
         bias = None if linear.bias is None else linear.bias.detach().float()
         return cls(packed, scale_zero, bias, out_features, _dynamic_int8(linear) if prefill else None)
+
+    def to_tensors(self, data=True):
+        """Its packed weight, scales and zeros, and its out_features (the weight has rows up to a multiple of 16)."""
+        yield from [("packed", self.packed), ("scale_zero", self.scale_zero),
+                    ("out_features", torch.tensor([self.out_features]))]
+        if self.bias is not None:
+            yield "bias", self.bias.detach()
+        if self.prefill is not None:
+            yield from ((f"prefill.{name}", chunks) for name, chunks in self.prefill.to_tensors(data))
+
+    @classmethod
+    def from_tensors(cls, tensors, pack=map):
+        twin = {name.removeprefix("prefill."): t for name, t in tensors.items() if name.startswith("prefill.")}
+        return cls(tensors["packed"], tensors["scale_zero"], tensors.get("bias"), int(tensors["out_features"]),
+                   Int8Linear.from_tensors(twin, pack) if twin else None)
 
     def forward(self, x):
         flat = x.reshape(-1, self.in_features)
@@ -107,9 +150,14 @@ def _dynamic_int8(linear: nn.Linear, parts: int = 1) -> nn.Module:
     if parts == 2:
         q_off, scale_off = _int8_rows(linear.weight.detach().float() - q * scale[:, None])
         q, scale = torch.cat([q, q_off]), torch.cat([scale, scale_off])
-    # In pieces, which fbgemm packs 2-2.5x faster per value; the engine settles them once it serves.
-    return Int8Linear(q, scale, None if linear.bias is None else linear.bias.detach().float(),
-                      rows=max(1, PIECE // q.shape[1]), parts=parts)
+    return Int8Linear(q, scale, None if linear.bias is None else linear.bias.detach().float(), rows=_piece_rows(q),
+                      parts=parts)
+
+
+def _piece_rows(values: torch.Tensor) -> int:
+    """The rows of a piece of values: every start packs int8 weights in pieces, which fbgemm packs faster per value,
+    and the engine settles them into fewer once it serves (Int8Linear.settle)."""
+    return max(1, PIECE // values.shape[1])
 
 
 # torch 2.13 deprecates quantized dtypes (pytorch#184982), which fbgemm's linear still takes, and says so at every
@@ -135,18 +183,27 @@ PIECE = 4 << 20
 SETTLED_ROWS = 16384
 
 
-class _Apart(nn.Module):
+class _Apart(Stored):
     """A linear that computes a few loud input channels apart (set_loud_channels_apart finds them): out of its int8
     path, and added back in fp32 against the checkpoint's own weights for them (`columns`, [channels, out_features])."""
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("apart", None)  # buffers: the model cache keeps them with the module's other tensors
+        self.register_buffer("apart", None)
         self.register_buffer("columns", None)
 
     def set_apart(self, channels: torch.Tensor, columns: torch.Tensor):
         """Compute these input channels (int64, ascending) apart, against columns."""
         self.apart, self.columns = channels, columns.float().contiguous()
+
+    def _apart_tensors(self):
+        return [] if self.apart is None else [("apart", self.apart), ("columns", self.columns)]
+
+    def _apart_from(self, tensors: dict) -> "_Apart":
+        """self, computing apart the channels that tensors (_apart_tensors()'s) name, if any."""
+        if "apart" in tensors:
+            self.set_apart(tensors["apart"], tensors["columns"])
+        return self
 
     def _add_apart(self, y: torch.Tensor, loud: torch.Tensor) -> torch.Tensor:
         return y.view(-1, self.out_features).addmm_(loud.reshape(-1, len(self.apart)), self.columns).view(y.shape)
@@ -175,6 +232,8 @@ class Int8Linear(_Apart):
     first text layers', TWO_PART_LAYERS). One fbgemm call reads both, and the output is their sum.
     """
 
+    BORROWED = ("qweight",)
+
     def __init__(self, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None,
                  pack=map, parts: int = 1):
         """values: the int8 weight (out x in; with parts=2, the rows' levels and then what they rounded off: 2 out x
@@ -189,6 +248,31 @@ class Int8Linear(_Apart):
         self.merged = 0  # leading parts that settle() has made, or found, final
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.two_part = False  # w8a14 (in_two_parts): each input row fed as two, for 14 bits instead of 7
+
+    def to_tensors(self, data=True):
+        """Its weight as a per-channel torch.qint8 weight is stored (int8 values, unpacked a piece at a time, float64
+        scales, int64 zero points, all 0), its parts, bias, loud channels and whether it feeds decode rows in two."""
+        rows = len(self.scale)  # two per output channel where its weights are in two parts
+        values = self.pieces() if data else torch.empty((rows, self.in_features), dtype=torch.int8, device="meta")
+        yield from [("qweight", values), ("scale", self.scale.double()),
+                    ("zero_point", torch.zeros(rows, dtype=torch.int64))]
+        if self.weight_parts > 1:
+            yield "weight_parts", torch.tensor([self.weight_parts])
+        if self.two_part:
+            yield "two_part", torch.tensor([1])
+        yield from self._apart_tensors()
+        if self.bias is not None:
+            yield "bias", self.bias.detach()
+
+    @classmethod
+    def from_tensors(cls, tensors, pack=map):
+        if tensors["zero_point"].any():  # no conversion of qvl's makes them: not a file of its own
+            raise ValueError("asymmetric int8 weights")
+        values = tensors["qweight"]
+        linear = cls(values, tensors["scale"], tensors.get("bias"), rows=_piece_rows(values), pack=pack,
+                     parts=int(tensors.get("weight_parts", 1)))
+        linear.two_part = "two_part" in tensors
+        return linear._apart_from(tensors)
 
     def weight(self) -> torch.Tensor:
         """The per-channel torch.qint8 weight as stored (with parts=2, both parts' rows; a copy)."""
@@ -306,6 +390,15 @@ class Int8WeightOnly(_Apart):
         q, scale = _int8_rows(linear.weight.detach(), torch.bfloat16)
         return cls(q, scale.bfloat16(), None if linear.bias is None else linear.bias.detach().float())
 
+    def to_tensors(self, data=True):
+        yield from [("int8_weight", self.int8_weight), ("scale", self.scale), *self._apart_tensors()]
+        if self.bias is not None:
+            yield "bias", self.bias.detach()
+
+    @classmethod
+    def from_tensors(cls, tensors, pack=map):
+        return cls(tensors["int8_weight"], tensors["scale"], tensors.get("bias"))._apart_from(tensors)
+
     def set_apart(self, channels: torch.Tensor, columns: torch.Tensor):
         super().set_apart(channels, columns)
         self.int8_weight[:, channels] = 0  # their part comes from columns alone
@@ -338,3 +431,7 @@ def _pack(values: torch.Tensor):
 def _values(part) -> torch.Tensor:
     """The int8 values fbgemm's packed part holds (a copy)."""
     return torch.ops.quantized.linear_unpack(part)[0].int_repr()
+
+
+# Every layer a converted model holds, by the name the model cache stores it under.
+STORED = {kind.__name__: kind for kind in (Bf16Embedding, Int4Linear, Int8Linear, Int8WeightOnly)}
