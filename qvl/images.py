@@ -1,4 +1,7 @@
 """Turning whatever a user uploads into an RGB image the model can afford, or one clear error."""
+import dataclasses
+import functools
+import hashlib
 import io
 import math
 import os
@@ -49,6 +52,34 @@ def load(source) -> Image.Image:
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as e:
         raise ImageError("damaged", detail=str(e), name=name) from None
     return image
+
+
+class Picture:
+    """An upload decoded once, as load() decodes it, and a hash of its pixels: what every cache keys the image by (the
+    answer cache, conversation memory, the image-feature store), so that none of them decodes or hashes it again."""
+
+    def __init__(self, image: Image.Image):
+        self.image = image
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """Computed on first use, so a request that nothing keys is never hashed."""
+        return _digest(self.image)
+
+
+def _digest(image: Image.Image) -> str:
+    """The same pixels hash alike from any file, format or orientation; one changed pixel does not."""
+    return hashlib.sha256(f"{image.mode} {image.width}x{image.height}\n".encode() + image.tobytes()).hexdigest()
+
+
+def open(source) -> Picture:
+    """A path, bytes or PIL image decoded into a Picture (raising ImageError as load() does); a Picture as it is."""
+    return source if isinstance(source, Picture) else Picture(load(source))
+
+
+def opened(turns: list) -> list:
+    """turns (conversation.Turn) with every image a Picture: each upload decoded once for all that read it after."""
+    return [dataclasses.replace(turn, images=tuple(open(source) for source in turn.images)) for turn in turns]
 
 
 def _too_large(name: str, size) -> ImageError:

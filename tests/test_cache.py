@@ -1,3 +1,4 @@
+import asyncio
 import dataclasses
 import json
 import logging
@@ -14,8 +15,10 @@ import diskcache
 import pytest
 from PIL import Image
 
+from qvl import images, settings
 from qvl.conversation import Stats, Turn
 from qvl.images import ImageError
+from qvl.serve import answers
 from qvl.serve.cache import AnswerCache
 from qvl.settings import GenParams
 from qvl.sizes import parse_size
@@ -61,8 +64,31 @@ def test_same_pixels_in_another_file_or_orientation_share_a_key(photo, tmp_path)
     exif = Image.Exif()
     exif[0x0112] = 6
     Image.open(photo).transpose(Image.Transpose.ROTATE_90).save(rotated, exif=exif)
-    keys = {cache.key(ask(source), GenParams(), MODEL) for source in (photo, webp, rotated, photo.read_bytes())}
+    sources = (photo, webp, rotated, photo.read_bytes(), images.open(rotated))  # the last decoded already
+    keys = {cache.key(ask(source), GenParams(), MODEL) for source in sources}
     assert len(keys) == 1
+
+
+def test_each_upload_is_decoded_and_hashed_once_for_the_key_and_the_engine(make_engine, photo, tmp_path, monkeypatch):
+    """A miss: the answer cache's key, conversation memory and the image-feature store all key each upload by the one
+    hash of its one decode."""
+    other = tmp_path / "other.png"
+    Image.new("RGB", (64, 48), (0, 90, 200)).save(other)
+    turns = [Turn("user", "What is this?", (str(photo),)), Turn("assistant", "A photo."),
+             Turn("user", "And this?", (str(other),))]
+    engine, decoded, hashed = make_engine(), [], []
+    load, digest = images.load, images._digest
+    monkeypatch.setattr(images, "load", lambda source: decoded.append(source) or load(source))
+    monkeypatch.setattr(images, "_digest", lambda image: hashed.append(image.size) or digest(image))
+    answerer = answers.Answerer(engine, AnswerCache(tmp_path / "c"), settings.parse([], env={}))
+
+    async def answer():
+        return [u async for u in answerer.answer(turns, GenParams(greedy=True, max_new_tokens=4), True, False)]
+
+    final = asyncio.run(answer())[-1]
+    assert final.stats is not None and final.cached_in is None and answerer.cache.misses == 1
+    assert decoded == [str(photo), str(other)] and hashed == [(37, 23), (64, 48)]
+    assert engine.memory_info()["features"]["misses"] == 2 and engine.kv.info()["entries"] == 1
 
 
 def test_one_changed_pixel_misses(photo, tmp_path):

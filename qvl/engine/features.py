@@ -1,7 +1,7 @@
 """Vision features kept per image, in memory and on disk, so a picture seen before skips the vision tower.
 
-The key is a hash of exactly what the tower is given for the image (its pixel_values rows and patch grid) with the
-engine's identity, so nothing that changes the features can be missed and another model's features never match.
+The key is the image's identity, its pixels' digest (images.Picture) with the token budgets that size it, which is
+all that decides what the tower is given, and the engine's identity, so another model's features never match.
 On disk the store is a DiskStore folder (<cache-dir>/features): the tensors as safetensors bytes behind their
 SHA-256, stored raw and never unpickled, shared by processes and kept across restarts. An entry whose digest,
 tensor names, shapes or dtype are not what the model would give is a miss: one warning, recomputed, rewritten.

@@ -3,7 +3,7 @@
 A follow-up, Regenerate, Undo and a new question about an image seen before all begin with tokens some earlier
 request already ran through the model. After each answer its cache (prompt + the answer tokens fed back) is kept
 with its content: one item per cached position, the token id, or for an image's placeholder tokens that image's
-identity (a hash of exactly what the vision tower was given), so two different images of one size never match.
+identity (its pixels' digest with the token budgets that size it), so two different images of one size never match.
 A request is matched by content, never by session, to the entry with the longest common prefix.
 
 An entry is never cut for a request that shares only part of it: the prefix is copied out, and the entry stays for

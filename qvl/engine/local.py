@@ -1,6 +1,5 @@
 """The inference engine: Qwen3-VL loaded once, answering conversations about images as a text stream."""
 import atexit
-import hashlib
 import logging
 import os
 import socket
@@ -319,13 +318,15 @@ class Engine:
             hooks = [block.register_forward_pre_hook(give_way) for block in self.model.model.visual.blocks]
         try:
             for picture in pictures:
-                inputs, _ = self._inputs([Turn("user", question, (picture,))], params)
+                turns = images.opened([Turn("user", question, (picture,))])
+                inputs, _ = self._inputs(turns, params)
                 while True:
                     if not self._idle():
                         return
                     try:
                         with torch.inference_mode():
-                            self._image_features(inputs, self._images(inputs), 0)  # the store has its own lock
+                            # The store has its own lock.
+                            self._image_features(inputs, self._images(turns, inputs, params), 0)
                         break
                     except _GaveWay:
                         continue
@@ -362,6 +363,8 @@ class Engine:
         # Before the prompt is made: a load that fails in the background falls back to another model and processor.
         if not self._wait_loaded():
             raise RuntimeError("the server is shutting down")
+        conversation.check(turns)
+        turns = images.opened(turns)  # once: the prompt, conversation memory and the feature store all read them
         inputs, image_tokens = self._inputs(turns, params)
         prompt_tokens = inputs["input_ids"].shape[1]
         budget = self.max_context - prompt_tokens
@@ -371,7 +374,7 @@ class Engine:
         with self._lock:
             self._stop.clear()
             positions, delta = generate.positions(self.model, inputs)
-            prefill, prompt, reused, cached = self._prefill(inputs, positions, params.max_new_tokens)
+            prefill, prompt, reused, cached = self._prefill(turns, inputs, positions, params)
             ids, sent, first, failed = [], "", None, False
             tokens = generate.stream(self.model, prefill, params, self._stop, delta,
                                      keep_answer=self.mode not in quant.PROMPT_TWINS)
@@ -414,7 +417,8 @@ class Engine:
                           images=lambda lang: texts.image_share(lang, image_tokens, pictures))
 
     @torch.inference_mode()
-    def _prefill(self, inputs: dict, positions: torch.Tensor, new_tokens: int) -> tuple[dict, tuple, int, int]:
+    def _prefill(self, turns: list[Turn], inputs: dict, positions: torch.Tensor,
+                 params: GenParams) -> tuple[dict, tuple, int, int]:
         """The first model call's inputs, the prompt's content (see kv.content), prompt tokens reused, images cached.
 
         With both stores off it is the processor's output and the prompt's positions (generate.positions). Otherwise
@@ -424,11 +428,11 @@ class Engine:
         ids = inputs["input_ids"]
         if self.kv is None and self.features is None:
             return {**inputs, "position_ids": positions}, (), 0, 0
-        pictures = self._images(inputs)
+        pictures = self._images(turns, inputs, params)
         prompt = kv.content(ids[0].tolist(), self.model.config.image_token_id, pictures)
         cache, start = (None, 0) if self.kv is None else self.kv.take(prompt)
         if self.kv is not None:
-            self.kv.reserve(kv.per_token_bytes(self.model) * (len(prompt) + new_tokens))
+            self.kv.reserve(kv.per_token_bytes(self.model) * (len(prompt) + params.max_new_tokens))
         # Images wholly after start: kv.Store.take never ends a prefix inside one.
         first = kv.images_in(prompt[:start])
         encoded, cached = self._image_features(inputs, pictures, first) if first < len(pictures) else (None, 0)
@@ -437,23 +441,20 @@ class Engine:
                    "mm_encoder_outputs": {"image": encoded} if encoded else None}
         return prefill, prompt, start, cached
 
-    def _images(self, inputs: dict) -> list[tuple[str, int]]:
-        """Per image: a hash of exactly what the vision tower is given (its pixel_values rows and patch grid), and
-        its token count."""
+    def _images(self, turns: list[Turn], inputs: dict, params: GenParams) -> list[tuple[str, int]]:
+        """Per image (a Picture): its identity, its pixels' digest with the token budgets that size it (all that
+        decides what the vision tower is given), and its token count."""
         grids = inputs.get("image_grid_thw")
-        out, row = [], 0
-        for t, h, w in [] if grids is None else grids.tolist():
-            rows = inputs["pixel_values"][row:row + t * h * w].contiguous()
-            row += len(rows)
-            digest = hashlib.sha256(rows.view(torch.uint8).numpy()).hexdigest()
-            out.append((f"{digest}:{t}x{h}x{w}", t * h * w // self.model.config.vision_config.spatial_merge_size ** 2))
-        return out
+        merged = [] if grids is None else grids.prod(-1) // self.model.config.vision_config.spatial_merge_size ** 2
+        budgets = f"{params.min_image_tokens}-{params.max_image_tokens}"
+        pictures = [picture for turn in turns for picture in turn.images]
+        return [(f"{picture.digest}:{budgets}", int(n)) for picture, n in zip(pictures, merged, strict=True)]
 
     def _image_features(self, inputs: dict, pictures: list[tuple[str, int]], first: int):
         """The vision features of images first.. as the model takes them, and how many came from the store."""
         config = self.model.config.vision_config
         layers, found = len(config.deepstack_visual_indexes), {}
-        keys = [hashlib.sha256(f"{self.identity}|{identity}".encode()).hexdigest() for identity, _ in pictures]
+        keys = [f"{identity}|{self.identity}" for identity, _ in pictures]
         for i in range(first, len(pictures)):
             if self.features is not None:
                 shape = torch.Size([pictures[i][1], config.out_hidden_size])
@@ -476,12 +477,12 @@ class Engine:
 
     def _inputs(self, turns: list[Turn], params: GenParams) -> tuple[dict, int]:
         """Tokenize the conversation and preprocess its images, refusing an oversized one before pixel work."""
-        conversation.check(turns)
         messages, pictures = [], []
         for turn in turns:
             content = []
             for source in turn.images:
-                pictures.append(images.prepare(images.load(source), params.max_image_tokens, params.min_image_tokens))
+                pictures.append(images.prepare(images.open(source).image, params.max_image_tokens,
+                                               params.min_image_tokens))
                 content.append({"type": "image"})
             # JSON escapes such as \ud83d\ude00 reach Python as split or lone surrogates, which the tokenizer refuses:
             # pairs are joined again, a lone one becomes U+FFFD, as a browser would show it.

@@ -110,7 +110,7 @@ class RemoteEngine:
         for turn in turns:
             content = []
             for source in turn.images:
-                picture = images.prepare(images.load(source), params.max_image_tokens, params.min_image_tokens)
+                picture = images.prepare(images.open(source).image, params.max_image_tokens, params.min_image_tokens)
                 image_tokens += images.tokens(picture)
                 png = io.BytesIO()
                 picture.save(png, "PNG")

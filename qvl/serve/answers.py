@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import replace
 
-from qvl import texts
+from qvl import images, texts
 from qvl.conversation import EngineError, Turn
 from qvl.images import InputError
 from qvl.serve.line import Busy, Line, Taken
@@ -75,6 +75,8 @@ class Answerer:
         start, cache, key = time.perf_counter(), self.cache, None
         self.check_uploads(turns)
         if use_cache and cache.enabled and not fresh:
+            # Decoded once, for the key and the engine alike; the engine decodes what the key did not need.
+            turns = await asyncio.to_thread(images.opened, turns)
             key = await asyncio.to_thread(cache.key, turns, params, self.engine.identity)
             hit = await asyncio.to_thread(cache.get, key)
             if hit is not None:

@@ -1,7 +1,8 @@
 """Answers on disk, so a repeated image + question costs milliseconds instead of seconds of CPU.
 
 The key is everything that determines an answer and nothing else: the decoded pixels of each image (after EXIF
-orientation and RGB conversion, so re-uploading the same photo, or the same pixels as PNG or lossless WebP, hits),
+orientation and RGB conversion, so re-uploading the same photo, or the same pixels as PNG or lossless WebP, hits;
+images.Picture.digest, which the engine's stores key on too),
 the whole conversation (roles, texts and where the images are), every GenParams field, and the model's identity
 (source, weights version, precision/quantization).
 
@@ -37,19 +38,16 @@ class Hit:
     created: float  # unix time the answer was generated
 
 
-def _pixels(image) -> str:
-    return hashlib.sha256(f"{image.mode} {image.width}x{image.height}\n".encode() + image.tobytes()).hexdigest()
-
-
 class AnswerCache(DiskStore):
     def __init__(self, directory: str, size_limit: int | str = "auto", enabled: bool = True):
         self.hits = self.misses = 0  # since this process started
         super().__init__(directory, size_limit, enabled, what="answer cache")
 
     def key(self, turns, params, model_identity: str) -> str:
-        """The answer's key. Decodes every image, so an unreadable one raises images.ImageError, like the engine."""
+        """The answer's key. Decodes every image not yet a Picture (images.opened spares that), so an unreadable one
+        raises images.ImageError, like the engine."""
         conversation = [
-            {"role": t.role, "text": t.text, "images": [_pixels(images.load(s)) for s in t.images]} for t in turns
+            {"role": t.role, "text": t.text, "images": [images.open(s).digest for s in t.images]} for t in turns
         ]
         canonical = json.dumps(
             {"model": model_identity, "params": dataclasses.asdict(params), "turns": conversation},
