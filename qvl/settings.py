@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from qvl import __version__
-from qvl.engine import cpu
+from qvl.engine import cpu, modes
 from qvl.sizes import parse_size
 
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -92,8 +92,14 @@ class Settings:
         """Reachable from this machine only: then whoever uses the page is its operator."""
         return self.host in ("127.0.0.1", "localhost", "::1") and not self.share
 
+    @functools.cached_property
+    def mode(self) -> str:
+        """The concrete quantization mode, `auto` resolved for this CPU: once, where a start first asks (the model
+        cache's read-ahead, or the engine), and every layer below takes it as it is."""
+        return modes.resolve(self.quant)
 
-QUANT_MODES = ("auto", "fp32", "bf16", "int8", "int4", "w8a16", "w8a14")
+
+QUANT_MODES = ("auto", *modes.MODES)
 # The values each numeric setting may take, (lowest, highest or None); the settings tab's controls take theirs from
 # here, so that a value the server starts with is one the page accepts back from every request.
 BOUNDS = {

@@ -6,7 +6,7 @@ import torch
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import checkpoint, generate, jit, lean, modes, quant
+from qvl.engine import checkpoint, generate, jit, lean, modelcache, modes, quant
 from qvl.engine.local import Engine
 from qvl.settings import GenParams
 
@@ -24,6 +24,27 @@ from qvl.settings import GenParams
 def test_auto_resolves_to_a_concrete_mode_for_the_cpu(flags, halves, mode):
     assert modes.resolve("auto", flags, halves) == mode
     assert modes.resolve("int8", flags, halves) == "int8"  # an explicit mode is never overridden
+
+
+def test_auto_is_resolved_once_per_start_and_the_layers_below_take_only_concrete_modes(tiny_dir, tmp_path,
+                                                                                     monkeypatch):
+    resolved, resolve = [], modes.resolve
+    monkeypatch.setattr(modes, "resolve", lambda mode, *args: resolved.append(mode) or resolve(mode, *args))
+    empty = tmp_path / "no-checkpoint"
+    empty.mkdir()
+    # A first start (converting), a second (reading what the first kept), and one that falls back to the tiny model.
+    for model in (tiny_dir, tiny_dir, empty):
+        resolved.clear()
+        config = settings.parse(["--model", str(model), "--quant", "auto", "--no-cache", "--model-cache-dir",
+                                 str(tmp_path / "models")], env={})
+        engine = Engine(config, modelcache.read_ahead(config))  # as app.py starts
+        assert resolved == ["auto"] and engine.mode == config.mode in modes.MODES
+        assert engine.settled.wait(60)  # the first start keeps its model for the second to read
+    assert engine.fallback
+    for load in (lambda: checkpoint.load_model(str(tiny_dir), "auto"),
+                 lambda: modelcache.load(str(tiny_dir), "auto", "v", str(tmp_path / "models"))):
+        with pytest.raises(AssertionError, match="auto"):
+            load()
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14", "auto"])

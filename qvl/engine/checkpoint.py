@@ -37,7 +37,7 @@ def load_model(source: str, mode: str, report=unreported) -> nn.Module:
 
     from qvl.engine import lean
 
-    mode = modes.resolve(mode)
+    modes.assert_concrete(mode)
     if mode in ("fp32", "bf16"):
         report("loading", None)  # transformers' own load says nothing until it is done
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16

@@ -115,7 +115,7 @@ def read_ahead(settings) -> "Reader | None":
     """Start reading the stored model that Engine(settings) will load, if there is one; call it before importing
     transformers, and give the Reader to the Engine. None when there is nothing to read or anything is amiss (no such
     folder, a foreign file): the engine finds that again, and says it."""
-    mode = modes.resolve(settings.quant)
+    mode = settings.mode
     if not settings.model_cache or mode in ("fp32", "bf16"):
         return None
     try:
@@ -137,7 +137,7 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
     keep is None, or, after converting, keep(go_on) writes the converted model to the model cache: fbgemm unpacks
     every weight for it (a minute on 2 cores for the 2B), so the engine runs it once it serves; go_on() is asked
     before each tensor, may wait, and ends the write without a file when it returns False."""
-    mode = modes.resolve(mode)
+    modes.assert_concrete(mode)
     file, want = (None, None) if folder is None else (path(folder, weights, mode), key(weights, mode))
     if ahead is not None and ahead.file != file:
         ahead.close()  # not what this start loads after all

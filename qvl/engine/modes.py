@@ -1,7 +1,8 @@
 """Which quantization mode each CPU gets: the mode names, what `auto` stands for on this CPU, and how the engine
 describes each mode.
 
-Light on purpose (no torch): qvl.settings reads the names for --quant. Why each CPU family gets what it gets:
+Light on purpose (no torch): qvl.settings reads the names for --quant, and resolves `auto` once per start
+(Settings.mode); everything below the settings takes the concrete mode. Why each CPU family gets what it gets:
 docs/quantization.md, "What `auto` picks".
 """
 from qvl.engine import cpu
@@ -27,6 +28,11 @@ def resolve(mode: str, flags: frozenset[str] | None = None, halves: bool | None 
         return "w8a14"
     # fbgemm needs AVX2; without it, it and the int4 kernel fall back to scalar loops slower than fp32.
     return "int8" if "AVX2" in flags else "fp32"
+
+
+def assert_concrete(mode: str):
+    """Below the settings every mode is concrete: `auto` is resolved once per start, by Settings.mode."""
+    assert mode in MODES, f"{mode!r} is not a concrete mode: `auto` is resolved once, by Settings.mode"
 
 
 def native_bf16(flags: frozenset[str] | None = None) -> bool:
