@@ -146,8 +146,8 @@ def test_warm_up_answers_a_greeting_and_encodes_the_examples(memoryless):
 
 
 def test_the_examples_are_encoded_once_ready_and_never_while_a_request_runs(memoryless):
-    # A Space's disk does not persist: every restart encodes the examples again, which held the 2B's first answer
-    # back by 65 s when it came before ready.
+    # A Space's disk does not persist: every restart encodes the examples again, which must not hold its first
+    # answer back.
     engine, request = memoryless(), threading.Event()
     encoded, encode = [], engine._image_features
     engine._image_features = lambda *a: encoded.append((engine.ready.is_set(), request.is_set())) or encode(*a)

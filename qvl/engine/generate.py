@@ -1,9 +1,9 @@
 """Token generation as a stream of ids: one prefill call, then lean decode steps, stopping within one step.
 
-HF generate() spends ~24 ms of framework work per decode step on 2 cores (logits processors, stopping criteria,
-cache bookkeeping), and the model's own forward more (see qvl.engine.lean); a 2B model's quantized step is only a few
-times that, so the loop is written out here: transformers' forward for the prompt (images, M-RoPE positions,
-deepstack), then lean.Decoder for each new token.
+HF generate()'s framework work per decode step (logits processors, stopping criteria, cache bookkeeping), and the
+model's own forward's (see qvl.engine.lean), are a large share of a quantized 2B step (docs/performance.md), so the
+loop is written out here: transformers' forward for the prompt (images, M-RoPE positions, deepstack), then
+lean.Decoder for each new token.
 """
 import contextlib
 import threading

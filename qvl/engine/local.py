@@ -124,7 +124,7 @@ class Engine:
         self.folder = _local_copy(source)
         self.processor = ImageOnlyProcessor.from_pretrained(self.folder, backend="pil")
         self.weights = modelcache.weights_version(self.folder)
-        self.mode = mode = self.settings.mode
+        self.mode = mode = modes.resolve(self.settings.quant)
         if mode in ("bf16", "w8a16") and not modes.native_bf16():  # said on every start, converting or not
             log.warning("--quant %s on a CPU without bf16 instructions: its bf16 matmuls are emulated, several times "
                         "slower than int8 (what auto picks here)", mode)
@@ -138,7 +138,8 @@ class Engine:
 
     def _load(self):
         store = self.settings.model_cache_dir if self.settings.model_cache else None
-        self.model, keep = modelcache.load(self.folder, self.mode, self.weights, store, self._ahead, self._report)
+        self.model, keep = modelcache.load(self.folder, self.settings.quant, self.weights, store, self._ahead,
+                                           self._report)
         self._ahead = None  # read: its packed weights are the model's now
         self._settler = threading.Thread(target=self._settle, args=(keep,), name="settle", daemon=True)
         self._settler.start()
@@ -277,10 +278,10 @@ class Engine:
         if warming up failed (requests meanwhile wait); then encode pictures into the feature store (those not in it
         yet), one at a time, giving way to every request (_encode).
 
-        The question goes without a picture: with one, its prefill (300-odd tokens) held every start's readiness back
-        by 10-25 s on 2 cores. The pictures come after ready: where the feature store starts empty (every restart of
-        a Space, whose disk does not persist), encoding the four examples first held a first start of the 2B back by
-        65 s, for clicks that may never come."""
+        The question goes without a picture, whose prefill (300-odd tokens) would hold every start's readiness back
+        by seconds; the pictures come after ready, because where the feature store starts empty (every restart of a
+        Space, whose disk does not persist) encoding them would hold a first start back for clicks that may never
+        come (docs/performance.md)."""
         with self._warming:
             params = replace(self.settings.gen, max_new_tokens=2, min_new_tokens=0, greedy=True)
             try:
@@ -305,8 +306,8 @@ class Engine:
     def _encode(self, pictures: list, question: str, params: GenParams):
         """Put the pictures' vision features in the feature store, without the engine's lock: a request that takes it
         meanwhile (or the exit) stops the encoding at its next vision block, and the picture is encoded again once the
-        request is done. Holding the lock, a picture in the 2B's vision tower kept a request after a fresh first start
-        waiting 22 s (2 Zen 1 cores), and an exit 18 s; a block is under a second."""
+        request is done: a picture takes the 2B's vision tower many seconds, one of its blocks under one
+        (docs/performance.md)."""
         me = threading.get_ident()
 
         def give_way(*_):
