@@ -197,9 +197,9 @@ def side_by_side(jobs, workers: int | None = None):
     """(name, job()) for each (name, job) of jobs, in order, running up to `workers` jobs at once (default: torch's
     intra-op threads).
 
-    fbgemm packs a weight in one thread with the GIL released, and packing is most of a quantized load (39 of the
-    45 s a stored 2B int8 model took, on a 2-core AVX2 EPYC): on two cores two linears pack side by side. At most
-    workers + 1 jobs are in flight, so that many layers' source tensors at most are held beside the model.
+    fbgemm packs a weight in one thread with the GIL released, and packing is most of a quantized load, so every
+    core packs one. At most workers + 1 jobs are in flight, so that many layers' source tensors at most are held
+    beside the model.
     """
     workers = workers or torch.get_num_threads()
     with ThreadPoolExecutor(workers, thread_name_prefix="convert", initializer=cpu.background) as pool:
@@ -243,10 +243,9 @@ def set_loud_channels_apart(model: nn.Module, folder: str):
     """Find the loud input channels of every int8 text linear (fbgemm's, int4's int8 prefill twins, w8a16's) in the
     calibration turn, and have each compute its own apart against the checkpoint's weights for them.
 
-    On the random 2B with planted outliers (`python -m qvl.bench --random-weights --outliers --linears`), ~5.5
-    channels a linear: fbgemm int8 from -2.2 to 12.4 dB of SQNR (top-1 agreement 0 -> 0.52), w8a16 from 13.8 to
-    21.1 dB (0.5 -> 0.78), its level on plain weights. Plain random weights have no channel loud enough, and nothing
-    changes. The vision tower, which only ever prefills with a scale per token, is left as it is.
+    Checkpoints with outliers get back most of what int8 lost on them (docs/quantization.md, "A scale per token and
+    the loud channels"); weights without any have no channel loud enough, and nothing changes. The vision tower,
+    which only ever prefills with a scale per token, is left as it is.
     """
     linears = {name: module for name, module in model.named_modules()
                if isinstance(module, quant._Apart) and not name.startswith("model.visual.")}

@@ -47,17 +47,15 @@ def background(lower: int = 10):
 
 
 # While a model loads, the GIL changes hands at this interval instead of Python's 5 ms (SERVING_SWITCH_S, once it is
-# ready): fbgemm packs a piece of a weight in ~20 ms with the GIL released and then waits for it while the imports or
-# the page's building hold it (sampled: the packing threads got ~0.6 of the core the imports left them). A second
-# start of the 2B app answered at a median of 13.95 s against 14.95, sooner in 10 of 14 alternating pairs (Zen 4,
-# 2026-12-03, scratch appstart.py).
+# ready), so that threads packing weights with it released get it back sooner from the imports and the page
+# (docs/performance.md, "Figures behind the code").
 LOADING_SWITCH_S, SERVING_SWITCH_S = 0.0005, sys.getswitchinterval()
 
 
 def hold_collector():
     """At a start, before its imports: no garbage collection until release_collector(). The imports (torch,
     transformers, gradio) leave ~0.5M long-lived objects, and the collector, set off again and again as they pile up,
-    traversed them all each time: 1.2-1.4 s of their 6-7.5 s on one core (Zen 3, three alternating pairs)."""
+    traversed them all each time, a fifth of the imports' time (docs/performance.md, "Figures behind the code")."""
     gc.disable()
 
 
@@ -69,9 +67,8 @@ def release_collector():
     gc.enable()
 
 
-# AMD (family, first model, last model, core): cloud VMs often name the CPU only "AMD EPYC", and this project's dev VMs
-# so named were Zen 3 on some days and Zen 1 on others, whose fbgemm int8 prefill ran 3x slower (216 against 67
-# GFLOP/s: Zen 1 splits every 256-bit AVX2 op in two). A figure is only comparable with one from the same core.
+# AMD (family, first model, last model, core): cloud VMs often name the CPU only "AMD EPYC", which covers cores as far
+# apart as Zen 1 and Zen 5, and a figure is only comparable with one from the same core.
 _AMD_CORES = [(23, 0x08, 0x08, "Zen+"), (23, 0x18, 0x18, "Zen+"), (23, 0x00, 0x2F, "Zen 1"),
               (23, 0x30, 0xFF, "Zen 2"), (25, 0x10, 0x1F, "Zen 4"), (25, 0x60, 0xAF, "Zen 4"),
               (25, 0x00, 0x5F, "Zen 3"), (26, 0x00, 0x7F, "Zen 5")]
@@ -126,8 +123,8 @@ def core(text: str | None = None) -> str:
 def halves_256_bit(text: str | None = None) -> bool:
     """Whether this CPU's cores run each 256-bit AVX2 operation as two 128-bit halves: AMD's before Zen 2 (Zen 1,
     Zen+, Hygon's Zen 1, the Bulldozer line) and Intel's Alder Lake-N (N100 to i3-N305: Gracemont cores only, not
-    measured here). There fbgemm's int8 kernel is bound by computing, not by reading its weights (a Zen 1 core read
-    ~9 GB/s through it; a Zen 3 core, memory-bound, reads a second row at no cost)."""
+    measured here). There fbgemm's int8 kernel is bound by computing, not by reading its weights, so a second decode
+    row costs its own time (docs/quantization.md, "What `auto` picks")."""
     vendor, family, model = _identity(text) or ("", 0, 0)
     if vendor == "AuthenticAMD":
         return family < 23 or (family == 23 and model < 0x30)

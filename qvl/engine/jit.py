@@ -1,19 +1,10 @@
 """The decode step's attention over the KV cache, its norms and rotary embedding, and w8a14's split of a decode row,
-as numba kernels.
+as numba kernels: in torch's ops attention goes through MKL's matmuls, whose kernels for one or two rows stream the
+cache at half the speed a kernel of its own reaches, and the norms, the rotation and the split are dozens of small
+ops a layer whose dispatch costs more than their work (docs/performance.md, "Figures behind the code").
 
-In torch, attention goes through MKL's matmuls, whose kernels for one or two rows stream the cache at ~10 GB/s on
-these AMD CPUs where a sum over it reads ~28; this kernel reads each key/value head's cache once, the heads spread
-over the cores, at ~20 GB/s (2B, 28 layers' caches out of the CPU caches, Zen 4: 0.19 against 0.40 ms a layer at
-465 positions, 0.79 against 1.89 at 2000; scratch nbatt2.py). w8a14's split is ~14 small torch ops a linear, ~45 us
-of dispatch, which 113 linears make ~5 ms a step; the kernel takes ~15 us. In the 2B's w8a14 step, the two ways
-alternating in one process: 113.4 against 105.3 ms at 465 positions, 166.5 against 129.4 at 2000 (scratch
-abjit.py); a standard answer, 64 tokens: 9.22 against 8.20 tok/s, medians of five pairs (scratch abchat.py).
-torch's RMSNorm is eight small ops and a layer's q/k norm and rotation another dozen; as two kernels they took the
-int8 2B's step overhead (bench.step_split, 404 positions) from 13.4/16.9/14.1 to 11.2/13.7/11.4 ms in three
-alternating process pairs (Zen 3, AVX2; torch's ops alone: 24.0/22.1/23.2 ms).
-
-numba is imported by warm(), at the end of the engine's background work once it serves: its import takes ~2 s and a
-first compile ~5 s more (later starts load numba's cache), which a start should not wait for. Until then the decode
+numba is imported by warm(), at the end of the engine's background work once it serves: its import and a first
+compile take seconds (later starts load numba's cache), which a start should not wait for. Until then the decode
 step runs on torch's ops, which compute the same numbers within float rounding (tests hold the two together).
 """
 import logging

@@ -17,9 +17,9 @@ than a large one: int8 linears are packed in pieces of quant.PIECE values, so th
 the engine repacks them, between requests, into the fewer pieces that decode faster (Int8Linear.settle). Pieces
 change no output bit.
 
-The file is memory-mapped (privately, never written), not read into buffers: reads into fresh memory cost the 2B's
-2.8 GB a page fault per 4 KB and a copy out of the page cache, 1-1.4 s of kernel time of the ~1.7 s reading took
-(Zen 4, scratch readspeed.py), where a mapping of the page cache costs next to none. fbgemm packs each int8 weight
+The file is memory-mapped (privately, never written), not read into buffers: reads into fresh memory cost a page
+fault per 4 KB and a copy out of the page cache, most of the reading's time (docs/performance.md, "Figures behind
+the code"), where a mapping of the page cache costs next to none. fbgemm packs each int8 weight
 straight from the mapping into its own layout, what the model keeps as stored (the bf16 token table, norms, biases)
 is copied out, and either way the pages are then dropped from the mapping (they stay in the page cache, out of the
 process's memory). So loading holds the stored tensors plus a few packed modules at most, as converting does.
@@ -50,8 +50,8 @@ from qvl.engine import checkpoint, cpu, heap, modes, quant
 
 log = logging.getLogger("qvl")
 
-# A module in more pieces than this (over half a second of packing on one core here) is packed by all the reader's
-# workers at once; smaller ones are packed one per worker (more threads would only take cores from the imports).
+# A layer in more pieces than this is packed by all the reader's workers at once, lest it be the last seconds of a
+# start on one core; smaller ones are packed one per worker (more threads would only take cores from the imports).
 MANY_PIECES = 12
 LAYOUT = "5"  # what is stored, here and in each layer's to_tensors(): change it with them, so older files are rebuilt
 _NAMES = {dtype: name for name, dtype in checkpoint.DTYPES.items()}
@@ -77,9 +77,8 @@ def weights_version(folder: str) -> str:
     """A hash of what changes with the weights, wherever they are kept: for each weight file its name, size, header
     and SAMPLES blocks of its data spread evenly over it (4 MB of reads, one block every 17 MB of the 2B's 4.3 GB;
     reading it all would take seconds at every start). A fine-tune changes most of the text layers' values and is
-    seen; an edit confined to a small tensor between the blocks would not be. (Only the first and last MB used to be
-    read: the random 2B with activation outliers planted in its middle layers hashed as the plain one, and a start of
-    either would have read the other's converted model.)"""
+    seen, its first and last bytes matching its base's or not; an edit confined to a small tensor between the blocks
+    would not be."""
     digest = hashlib.sha256()
     for file in sorted(Path(folder).glob("*.safetensors")):
         with open(file, "rb") as f:

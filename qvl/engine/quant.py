@@ -124,10 +124,10 @@ def _int8_rows(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32):
     """w's symmetric int8 values and per-row scales (a row's peak is 127 levels), the scales rounded to scale_dtype
     before dividing by them, as the kernel that reads them will.
 
-    Slices of ~1M values (4 MB in fp32), which stay in the CPU's caches between the passes over them, divided and
+    In slices of ~1M values (4 MB in fp32), which stay in the CPU's caches between the passes over them, divided and
     rounded in place, without a clamp (a row's peak over its scale rounds to 127 at most, a bf16-rounded scale
-    included: it is at most 2^-8 below the exact one): one 12288x2048 weight, one thread, Zen 1, 4 ns a value against
-    14 with 4096-row slices and out-of-place ops, which was more than fbgemm packing the weight takes.
+    included: it is at most 2^-8 below the exact one), so that quantizing a weight costs less than packing it
+    (docs/quantization.md, "Converting and reading fast").
     """
     scale = torch.empty(w.shape[0], dtype=torch.float32)
     q = torch.empty(w.shape, dtype=torch.int8)
@@ -167,25 +167,24 @@ warnings.filterwarnings("ignore", message=".*quantized tensor creation functions
 
 
 def at_scale_one(values: torch.Tensor) -> torch.Tensor:
-    """int8 values as the torch.qint8 tensor (scale 1, zero point 0) that fbgemm packs, over their own memory: torch's
-    _make_*_quantized_tensor functions copy them (the per-channel one 0.4-0.9 ns a value on the Zen 4, 1-2 s of a start
-    of the 2B, whose fbgemm linears hold 2.1 B of them), and fbgemm copies them again to pack."""
+    """int8 values as the torch.qint8 tensor (scale 1, zero point 0) that fbgemm packs, over their own memory, since
+    fbgemm copies them to pack anyway and torch's _make_*_quantized_tensor functions would copy them once more
+    (seconds of a start: docs/quantization.md, "Converting and reading fast")."""
     weight = torch._empty_affine_quantized(values.shape, scale=1.0, zero_point=0, dtype=torch.qint8)
     return weight.set_(values.untyped_storage(), values.storage_offset(), values.shape, values.stride())
 
 
-# fbgemm packs a weight of up to ~4M values 2-2.5x faster per value than a larger one (its column-by-column copy
-# misses the TLB less), but each piece is one more call per step: every start (converting, or reading the model
-# cache) packs pieces of PIECE values, and the engine then repacks them in the background into pieces of up to
-# SETTLED_ROWS rows (every decoder linear whole, the 151,936-row head in ten, so that no single repack takes more than
-# about a second).
+# Every start packs int8 weights in pieces of PIECE values, which fbgemm packs faster per value than larger ones, and
+# the engine repacks them in the background into the fewer pieces of up to SETTLED_ROWS rows that decode faster, each
+# repack short enough not to hold up a request (docs/quantization.md, "Converting and reading fast").
 PIECE = 4 << 20
 SETTLED_ROWS = 16384
 
 
 class _Apart(Stored):
-    """A linear that computes a few loud input channels apart (set_loud_channels_apart finds them): out of its int8
-    path, and added back in fp32 against the checkpoint's own weights for them (`columns`, [channels, out_features])."""
+    """A linear that computes a few loud input channels apart (checkpoint.set_loud_channels_apart finds them): out of
+    its int8 path, and added back in fp32 against the checkpoint's own weights for them (`columns`, [channels,
+    out_features])."""
 
     def __init__(self):
         super().__init__()
@@ -217,19 +216,19 @@ class Int8Linear(_Apart):
     One scale for a whole prompt is set by its loudest token, which leaves the quiet ones few levels: each row is
     brought to the same peak before the call and its output scaled back, which gives every token a scale of its own
     for four elementwise ops (~1% of a prefill). A single row (every decode step) has its own scale already and takes
-    fbgemm's call unchanged. On the random 2B's text (300 tokens teacher-forced against fp32) this lifts the logits
-    from 7.2 to 12.4 dB of SQNR. Pieces change no output bit: every piece quantizes the same input with the same
-    scale, and each output channel is computed on its own.
+    fbgemm's call unchanged (what it gains: docs/quantization.md, "A scale per token and the loud channels"). Pieces
+    change no output bit: every piece quantizes the same input with the same scale, and each output channel is
+    computed on its own.
 
     A scale per token cannot help where a few channels of every token are 20-100x the rest, as in real checkpoints:
-    those channels (found by set_loud_channels_apart when the checkpoint is converted) are zeroed in fbgemm's input
-    and their part of the output added back in fp32 against the checkpoint's weights (LLM.int8()'s split, with the
-    channels fixed in advance: no search per call). Three small ops a call, in linears that have any.
+    those channels (found by checkpoint.set_loud_channels_apart when the checkpoint is converted) are zeroed in
+    fbgemm's input and their part of the output added back in fp32 against the checkpoint's weights (LLM.int8()'s
+    split, with the channels fixed in advance: no search per call). Three small ops a call, in linears that have any.
 
     `w8a14` (two_part) feeds each decode row as two rows, whose 7 bits each make 14 (_two_part).
 
     parts=2 holds each weight row as two int8 rows: its levels, then what they rounded off in levels of its own (the
-    first text layers', TWO_PART_LAYERS). One fbgemm call reads both, and the output is their sum.
+    first text layers', modes.TWO_PART_LAYERS). One fbgemm call reads both, and the output is their sum.
     """
 
     BORROWED = ("qweight",)
@@ -247,7 +246,7 @@ class Int8Linear(_Apart):
         self.register_buffer("scale", scale.float().contiguous())  # float32: what fbgemm's own per-row scales are
         self.merged = 0  # leading parts that settle() has made, or found, final
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.two_part = False  # w8a14 (in_two_parts): each input row fed as two, for 14 bits instead of 7
+        self.two_part = False  # w8a14 (checkpoint.in_two_parts): each input row fed as two, for 14 bits instead of 7
 
     def to_tensors(self, data=True):
         """Its weight as a per-channel torch.qint8 weight is stored (int8 values, unpacked a piece at a time, float64
@@ -327,10 +326,10 @@ class Int8Linear(_Apart):
         [-63, 63], which fbgemm's quantization at scale 1 and zero point 64 keeps exactly (7 bits, its AVX2 kernel's
         headroom).
 
-        For decode rows only: there VNNI's kernel is bound by reading the weights, once for all rows, while a
-        prompt's rows are bound by computing them, and twice the rows took the random 2B's prefill from 5.4 to 7.5 s
-        for 0.4 dB of the logits' SQNR (Zen 4, scratch prefill_variant.py). The split and the join are jit's kernels
-        once they are compiled: in torch's ops they are ~14 calls of a few microseconds each."""
+        For decode rows only: there the kernel is bound by reading the weights, once for all rows, while a prompt's
+        rows are bound by computing them, and twice as many would cost a prompt more time than its precision is worth
+        (docs/quantization.md, "How `w8a14` works"). The split and the join are jit's kernels once they are compiled,
+        where torch's ops take ~14 small calls."""
         rows = x.reshape(-1, self.in_features).contiguous()
         if jit.ready.is_set():
             y = jit.in_two_parts(rows, lambda parts: self._fbgemm(parts, _whole_numbers), self.scale)
@@ -359,7 +358,7 @@ class Int8Linear(_Apart):
 
 
 # Up to this many rows torch's int8 weight-only kernel wins; above, a bf16 GEMM on the weight converted to bf16 for
-# the call (one 6144x2048 linear, Zen 5: 1.3 against 1.9 ms at 16 rows, 3.3 against 2.6 at 32, 34 against 13 at 400).
+# the call (docs/quantization.md, "How `w8a16` computes").
 W8A16_ROWS = 16
 
 
@@ -367,14 +366,12 @@ class Int8WeightOnly(_Apart):
     """w8a16: int8 weights (symmetric, a bf16 scale per row) and bf16 activations, which are never quantized.
 
     For CPUs with bf16 dot products (AVX-512 BF16, AMX): fbgemm's dynamic int8 quantizes every activation, which
-    costs the model's precision. Here only the weights are rounded: on the random 2B's text (`python -m qvl.bench
-    --random-weights [--outliers] --linears`) the logits keep 21.1 dB of SQNR against fbgemm int8's 12.4, as much
-    with planted outliers (loud channels apart in both), for a decode step ~1.3x fbgemm's (the same bytes, read
-    slower: 0.50 against 0.44 ms for a 6144x2048 linear out of cache, 83 against 65 ms for the 2B's step; Zen 5).
-    The scale multiplies each output column, so both paths compute the same products (within bf16 rounding).
+    costs the model's precision. Here only the weights are rounded, for a decode step somewhat slower than fbgemm's
+    (the same bytes, read slower: docs/quantization.md, "How `w8a16` computes"). The scale multiplies each output
+    column, so both paths compute the same products (within bf16 rounding).
 
     Where activations carry outliers, their readers' weights for those channels are small, and a row's int8 levels,
-    set by its largest weights, round them off: loud channels apart (set_loud_channels_apart) have their int8
+    set by its largest weights, round them off: loud channels apart (checkpoint.set_loud_channels_apart) have their int8
     columns zeroed and are computed in fp32 against the checkpoint's weights, two small ops a call.
     """
 
@@ -422,9 +419,8 @@ def _whole_numbers(x: torch.Tensor, part) -> torch.Tensor:
 
 
 def _pack(values: torch.Tensor):
-    # At scale 1: for a per-channel weight fbgemm's prepack reads each row's scale and zero point through a tensor of
-    # its own (~1.9 us a row, a fifth of the packing's time; a second start of the 2B read and packed in 5.5-6.3 s
-    # against 6.8-8.2 s, Zen 3, scratch readab.py), for one multiply of each call's output (~2% of a decode step).
+    # At scale 1: a per-channel weight costs fbgemm's prepack a fifth of its time reading each row's scale and zero
+    # point, where the rows' scales multiply each call's output for ~2% of a decode step.
     return torch.ops.quantized.linear_prepack(at_scale_one(values), None)
 
 
