@@ -124,7 +124,7 @@ class Engine:
         self.folder = _local_copy(source)
         self.processor = ImageOnlyProcessor.from_pretrained(self.folder, backend="pil")
         self.weights = modelcache.weights_version(self.folder)
-        self.mode = mode = modes.resolve(self.settings.quant)
+        self.mode = mode = self.settings.mode
         if mode in ("bf16", "w8a16") and not modes.native_bf16():  # said on every start, converting or not
             log.warning("--quant %s on a CPU without bf16 instructions: its bf16 matmuls are emulated, several times "
                         "slower than int8 (what auto picks here)", mode)
@@ -138,8 +138,7 @@ class Engine:
 
     def _load(self):
         store = self.settings.model_cache_dir if self.settings.model_cache else None
-        self.model, keep = modelcache.load(self.folder, self.settings.quant, self.weights, store, self._ahead,
-                                           self._report)
+        self.model, keep = modelcache.load(self.folder, self.mode, self.weights, store, self._ahead, self._report)
         self._ahead = None  # read: its packed weights are the model's now
         self._settler = threading.Thread(target=self._settle, args=(keep,), name="settle", daemon=True)
         self._settler.start()
