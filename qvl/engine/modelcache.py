@@ -349,18 +349,12 @@ class Reader:
             if tensor is None:
                 continue
             crc[0] = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc[0])
-            own = name[len(owner) + 1:] if owner is not None else None
-            if owner is not None and own in quant.STORED[self.layers[owner]].BORROWED:
-                tensors[own] = tensor  # a view: packed from, then dropped
+            if owner is None:
+                self._put(name, self._copied(name, tensor))
                 continue
-            # What the model keeps is copied out: kernels may read past a tensor's end (torch's int8 weight-only
-            # kernel reads whole blocks of rows), which past the mapping's end is a crash.
-            kept = tensor.clone()
-            self._drop(name)
-            if owner is not None:
-                tensors[own] = kept  # built into its layer once the layer's tensors are all in
-            else:
-                self._put(name, kept)
+            own = name[len(owner) + 1:]  # built into its layer once the layer's tensors are all in
+            borrowed = own in quant.STORED[self.layers[owner]].BORROWED  # a view: packed from, then dropped
+            tensors[own] = tensor if borrowed else self._copied(name, tensor)
 
     def _layer(self, name: str) -> str | None:
         """The stored layer that the tensor stored under name belongs to, None for a tensor of no layer."""
@@ -386,6 +380,13 @@ class Reader:
             return map(function, pieces)
         with ThreadPoolExecutor(self._workers, thread_name_prefix="pack", initializer=cpu.background) as pool:
             return list(pool.map(function, pieces))
+
+    def _copied(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """What the model keeps, copied out of the mapping and its pages dropped: kernels may read past a tensor's end
+        (torch's int8 weight-only kernel reads whole blocks of rows), which past the mapping's end is a crash."""
+        kept = tensor.clone()
+        self._drop(name)
+        return kept
 
     def _mapped(self):
         """(name, tensor) for each stored tensor in file order, a view of the mapping."""
