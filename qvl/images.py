@@ -1,4 +1,5 @@
 """Turning whatever a user uploads into an RGB image the model can afford, or one clear error."""
+import builtins
 import dataclasses
 import functools
 import hashlib
@@ -9,7 +10,7 @@ import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from qvl import texts
+from qvl import documents, texts
 from qvl.conversation import InputError
 
 PIXELS_PER_TOKEN = 32 * 32  # 16 px patches, merged 2x2 into one visual token
@@ -77,9 +78,25 @@ def open(source) -> Picture:
     return source if isinstance(source, Picture) else Picture(load(source))
 
 
-def opened(turns: list) -> list:
-    """turns (conversation.Turn) with every image a Picture: each upload decoded once for all that read it after."""
-    return [dataclasses.replace(turn, images=tuple(open(source) for source in turn.images)) for turn in turns]
+def opened(turns: list, params) -> list:
+    """turns (conversation.Turn) with each upload decoded once for all that read it after: an image as a Picture, a
+    PDF as the Pictures of its pages, in order. params (GenParams) holds the limits (max_pdf_pages)."""
+    return [dataclasses.replace(turn, images=tuple(item for source in turn.images for item in _uploaded(source, params)))
+            for turn in turns]
+
+
+def _uploaded(source, params) -> list:
+    if isinstance(source, (Picture, Image.Image)):
+        return [open(source)]
+    name = os.path.basename(source) if isinstance(source, (str, os.PathLike)) else "upload"
+    try:
+        with builtins.open(source, "rb") if isinstance(source, (str, os.PathLike)) else io.BytesIO(source) as file:
+            head = file.read(1024)
+    except FileNotFoundError:
+        raise ImageError("not_found", name=name) from None
+    if documents.is_pdf(source, head):
+        return [Picture(load(page)) for page in documents.pages(source, name, params.max_pdf_pages)]
+    return [open(source)]
 
 
 def _too_large(name: str, size) -> ImageError:

@@ -29,6 +29,7 @@ class GenParams:
     max_image_tokens: int = 320  # 640x480 fits whole; OCR and grounding want 1024+
     min_image_tokens: int = 16
     min_new_tokens: int = 0  # only the benchmark forces a length
+    max_pdf_pages: int = 8  # each page costs an image's tokens: 8 at the default budget fit the context with room
 
 
 # The GenParams fields a visitor may set for their session (settings tab, `ask`, the OpenAI API), by name; the rest
@@ -109,6 +110,7 @@ BOUNDS = {
     "temperature": (0.05, 2.0), "top_p": (0.05, 1.0), "top_k": (1, 200), "seed": (0, 2**32 - 1),
     # 16384: the largest image Qwen3-VL's processor makes (16M pixels); the processor refuses a smallest of 0.
     "max_image_tokens": (16, 16384), "min_image_tokens": (16, 16384),
+    "max_pdf_pages": (1, None),
     "port": (1, 65535), "queue_size": (1, None), "max_sessions": (1, None), "upload_hours": (0, None),
     "backend_timeout": (1, None), "concurrency": (1, None),
 }
@@ -138,6 +140,7 @@ _HELP = {
     "max_image_tokens": "visual-token budget per image (fewer is faster; OCR and grounding want 1024+)",
     "min_image_tokens": "smallest visual-token count per image (tiny images are upscaled to it)",
     "min_new_tokens": "force answers to at least this many tokens (for benchmarks)",
+    "max_pdf_pages": "longest PDF accepted, in pages; each page is an image within --max-image-tokens",
     "host": "address to bind; 0.0.0.0 exposes the app to your network",
     "port": "port to serve on",
     "share": "create a public Gradio share link",

@@ -79,6 +79,12 @@ TEXT = {
                            "Please downscale it first.",
         "far_too_many": "far too many",
         "file_too_big": "{name} is larger than {limit}; please upload a smaller picture.",
+        # PDFs (qvl/documents.py).
+        "pdf_damaged": "{name} is not a PDF this app can read (damaged, truncated or not a PDF at all); please upload "
+                       "a complete PDF, or a picture of the page.",
+        "pdf_locked": "{name} is password-protected; please upload a PDF without a password, or a picture of the page.",
+        "pdf_too_many_pages": "{name} has {pages} pages; PDFs of up to {limit} pages are accepted. Please upload only "
+                              "the pages you are asking about.",
         "empty_question": "Please type a question or add an image.",
         "bad_role": "Unknown role {role!r}: each turn is 'system', 'user' or 'assistant'.",
         "ends_with_user": "The conversation must end with a user message.",
@@ -174,6 +180,9 @@ TEXT = {
         "too_many_pixels": "{name} 有 {size} 像素；最多接受 {limit} 百万像素的图片，请先缩小。",
         "far_too_many": "过多",
         "file_too_big": "{name} 大于 {limit}，请上传更小的图片。",
+        "pdf_damaged": "无法读取 PDF 文件 {name}（已损坏、不完整或根本不是 PDF），请上传完整的 PDF，或该页的图片。",
+        "pdf_locked": "{name} 有密码保护，请上传没有密码的 PDF，或该页的图片。",
+        "pdf_too_many_pages": "{name} 有 {pages} 页；最多接受 {limit} 页的 PDF，请只上传你要问的那几页。",
         "empty_question": "请输入问题或添加图片。",
         "bad_role": "未知角色 {role!r}：每一轮必须是 'system'、'user' 或 'assistant'。",
         "ends_with_user": "对话必须以用户消息结尾。",

@@ -96,7 +96,7 @@ def cut(data: bytes) -> bytes:
 
 UNREADABLE = {
     "notes.png": (lambda: b"Shopping list:\n- milk\n- bread\n", "notes.png is not a picture"),
-    "scan.pdf": (lambda: MINIMAL_PDF, "scan.pdf is not a picture"),
+    "scan.pdf": (lambda: cut(MINIMAL_PDF), "scan.pdf is not a PDF this app can read"),  # a whole one is answered
     "empty.jpg": (lambda: b"", "empty.jpg is empty"),
     "cut.jpg": (lambda: cut(encoded(Image.effect_noise((96, 64), 60).convert("RGB"), "JPEG")), "cut.jpg is damaged"),
     "cut.png": (lambda: cut(encoded(Image.effect_noise((96, 64), 60).convert("RGB"), "PNG")), "cut.png is damaged"),

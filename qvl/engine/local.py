@@ -317,7 +317,7 @@ class Engine:
             hooks = [block.register_forward_pre_hook(give_way) for block in self.model.model.visual.blocks]
         try:
             for picture in pictures:
-                turns = images.opened([Turn("user", question, (picture,))])
+                turns = images.opened([Turn("user", question, (picture,))], params)
                 inputs, _ = self._inputs(turns, params)
                 while True:
                     if not self._idle():
@@ -363,7 +363,7 @@ class Engine:
         if not self._wait_loaded():
             raise RuntimeError("the server is shutting down")
         conversation.check(turns)
-        turns = images.opened(turns)  # once: the prompt, conversation memory and the feature store all read them
+        turns = images.opened(turns, params)  # once: the prompt, conversation memory and the feature store all read them
         inputs, image_tokens = self._inputs(turns, params)
         prompt_tokens = inputs["input_ids"].shape[1]
         budget = self.max_context - prompt_tokens

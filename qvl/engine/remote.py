@@ -107,7 +107,7 @@ class RemoteEngine:
         """OpenAI messages, each image fitted to the token budget here (the backend gets what the local engine would
         see) and sent as a PNG data: URL; and the image tokens they cost."""
         out, image_tokens = [], 0
-        for turn in turns:
+        for turn in images.opened(turns, params):  # a PDF as its pages
             content = []
             for source in turn.images:
                 picture = images.prepare(images.open(source).image, params.max_image_tokens, params.min_image_tokens)

@@ -76,7 +76,7 @@ class Answerer:
         self.check_uploads(turns)
         if use_cache and cache.enabled and not fresh:
             # Decoded once, for the key and the engine alike; the engine decodes what the key did not need.
-            turns = await asyncio.to_thread(images.opened, turns)
+            turns = await asyncio.to_thread(images.opened, turns, params)
             key = await asyncio.to_thread(cache.key, turns, params, self.engine.identity)
             hit = await asyncio.to_thread(cache.get, key)
             if hit is not None:
