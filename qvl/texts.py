@@ -115,6 +115,17 @@ TEXT = {
         "backend_busy": "The model server is busy. Please try again shortly.",
         "backend_failed": "The model server could not answer (error {status}). Please try again shortly.",
         "backend_refused": "The model server refused this request: {message}",
+        # The conversations kept in the browser (qvl/serve/history.py states the bounds).
+        "conversations": "Conversations", "new_conversation": "New conversation",
+        "delete_conversation": "Delete this conversation", "download_markdown": "Download as Markdown (.zip)",
+        "download_json": "Download as JSON", "upload_conversation": "Upload a conversation (JSON)",
+        "kept_here": "Conversations are kept in this browser only, never on the server: the newest 50, 2 MB in all, "
+                     "their pictures downscaled to 1024 px (1 MB of them per conversation).",
+        "not_kept": "[{count} image(s) not kept: a kept conversation holds {limit} of images]",
+        "untitled": "Pictures without a question",
+        "not_a_conversation": "This file is not a conversation downloaded from this app as JSON, so nothing was "
+                              "changed.",
+        "md_user": "You", "md_assistant": "Assistant",
     },
     "zh-CN": {
         "title": "## 用 Qwen3-VL 聊图片（CPU 运行）",
@@ -206,6 +217,15 @@ TEXT = {
         "backend_busy": "模型服务器繁忙，请稍后再试。",
         "backend_failed": "模型服务器无法回答（错误 {status}），请稍后再试。",
         "backend_refused": "模型服务器拒绝了此请求：{message}",
+        "conversations": "对话记录", "new_conversation": "新对话",
+        "delete_conversation": "删除此对话", "download_markdown": "下载为 Markdown（.zip）",
+        "download_json": "下载为 JSON", "upload_conversation": "上传对话（JSON）",
+        "kept_here": "对话只保存在此浏览器中，从不保存在服务器上：最多保留最近 50 段，共 2 MB，"
+                     "图片缩小到 1024 像素（每段对话的图片最多 1 MB）。",
+        "not_kept": "[{count} 张图片未保存：每段保存的对话最多保存 {limit} 图片]",
+        "untitled": "没有提问的图片",
+        "not_a_conversation": "此文件不是从本应用下载的 JSON 对话，未做任何更改。",
+        "md_user": "你", "md_assistant": "助手",
     },
 }
 LANGUAGES = tuple(TEXT)

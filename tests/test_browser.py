@@ -290,6 +290,58 @@ def test_a_conversation_the_server_forgot_says_so_and_starts_over(browser, launc
         assert "total" in answer(page)
 
 
+def test_a_conversation_is_kept_in_the_browser_through_a_reload_and_its_json_brings_it_back(browser, engine,
+                                                                                          tmp_path):
+    engine.ready.set()
+    with serving(engine, tmp_path, "--max-new-tokens", "4") as url:
+        page = open_page(browser, type("App", (), {"url": url}))
+        page.locator("#ask input[type=file]").set_input_files(str(ASSETS / "chart.png"))
+        page.wait_for_selector('#ask img, #ask [data-testid="thumbnail"]', state="attached")
+        ask_and_wait(page, "Which fruit sold the most?", 1)
+        page.locator("#kept button.toggle-button").click()
+        listed = page.locator("#kept-list label")
+        listed.filter(has_text="Which fruit sold the most?").wait_for()  # kept once answered
+        page.reload()
+        page.locator("#kept button.toggle-button").click()
+        listed.filter(has_text="Which fruit sold the most?").click()
+        page.wait_for_selector('#chatbot [data-testid="user"] img')  # its picture, kept in the browser
+        assert "Which fruit sold the most?" in page.locator('#chatbot [data-testid="user"]').last.inner_text()
+        assert "total" in answer(page)
+        with page.expect_download() as saved:
+            page.locator("#kept-json").click()
+        assert saved.value.suggested_filename == "Which-fruit-sold-the-most.json"
+        saved.value.save_as(tmp_path / saved.value.suggested_filename)
+        (tmp_path / "notes.json").write_text('{"note": "not a conversation"}')
+        for upload in (tmp_path / "notes.json", tmp_path / saved.value.suggested_filename):
+            with page.expect_file_chooser() as chooser:
+                page.locator("#kept-upload").click()
+            chooser.value.set_files(str(upload))
+            if upload.name == "notes.json":  # refused, and the chat and the list are as they were
+                page.wait_for_selector("text=This file is not a conversation downloaded from this app as JSON")
+                assert listed.count() == 1 and page.locator('#chatbot [data-testid="user"] img').count() == 1
+                page.locator("#kept-new").click()
+                page.wait_for_selector("#chatbot >> text=Ask anything about a picture")
+        page.wait_for_selector('#chatbot [data-testid="user"] img')  # the uploaded one, shown
+        assert listed.all_inner_texts() == ["Which fruit sold the most?"] * 2
+
+
+def test_an_edited_question_is_answered_again_reusing_the_turns_before_it(browser, engine, tmp_path):
+    engine.ready.set()
+    with serving(engine, tmp_path, "--max-new-tokens", "4") as url:
+        page = open_page(browser, type("App", (), {"url": url}))
+        for n, question in enumerate(("First question?", "Second question?", "Third question?"), 1):
+            ask_and_wait(page, question, n)
+        page.locator('#chatbot [data-testid="user"]').nth(1).hover()
+        page.locator('#chatbot button[aria-label="Edit"]').nth(1).click()
+        page.locator("#chatbot textarea").fill("Second question, edited?")
+        page.locator("#chatbot button[aria-label=Submit]").click()
+        page.wait_for_function("() => { const b = [...document.querySelectorAll('#chatbot [data-testid=bot]')];"
+                               " return b.length == 2 && b[1].innerText.includes('total') }")
+        users = page.locator('#chatbot [data-testid="user"]').all_inner_texts()
+        assert [u.strip() for u in users] == ["First question?", "Second question, edited?"]
+        assert "prompt tokens reused" in answer(page)  # the first exchange, from conversation memory
+
+
 def test_the_warming_banner_says_what_the_start_does_and_how_far_it_is(browser, tiny_dir, tmp_path, monkeypatch):
     release, real = threading.Event(), modelcache.load
 

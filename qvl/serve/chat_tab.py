@@ -1,4 +1,5 @@
-"""The chat tab: the conversation, the input box (send turns into stop while answering), examples in the empty chat.
+"""The chat tab: the conversation, the input box (send turns into stop while answering), examples in the empty chat,
+and the sidebar of conversations kept in the browser (qvl.serve.history).
 
 A conversation is a list of entries {"role", "text", "images", "note"} kept in a gr.State; a user entry marked
 "pending" is one waiting for its answer, an entry marked "failed" is shown but never sent to the model, and an answer
@@ -7,13 +8,15 @@ without text has an "empty" entry saying so.
 import asyncio
 import contextlib
 import random
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
 import gradio as gr
 
 from qvl import texts
-from qvl.serve import answers
+from qvl.conversation import InputError
+from qvl.serve import answers, history
 from qvl.settings import SESSION_PARAMS
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -50,12 +53,44 @@ def welcome(lang: str) -> gr.Chatbot:
 
 
 def draw(i18n: gr.I18n) -> tuple[gr.Chatbot, gr.MultimodalTextbox]:
+    # Each picture and text in a bubble of its own: Gradio 6.31 cannot edit a bubble that holds a picture (its Edit
+    # fails on the picture and sends nothing), and a question's text alone can.
     chatbot = gr.Chatbot(label=i18n("conversation"), show_label=False, height="64vh", elem_id="chatbot",
                          buttons=["copy", "copy_all"], feedback_options=None, placeholder=texts.TEXT["en"]["welcome"],
-                         examples=examples("en"))
+                         examples=examples("en"), editable="user", group_consecutive_messages=False)
     box = gr.MultimodalTextbox(file_types=["image", ".pdf"], file_count="multiple", placeholder=i18n("placeholder"),
                                show_label=False, elem_id="ask", autofocus=True, submit_btn=True, stop_btn=False)
     return chatbot, box
+
+
+def draw_kept(i18n: gr.I18n) -> dict:
+    """The sidebar: the conversations kept in this browser, newest first, and what to do with them."""
+    with gr.Sidebar(label=i18n("conversations"), open=False, elem_id="kept"):
+        # A fixed key and secret: the secret travels with the page, so it hides nothing from the visitor whose
+        # browser this is, and a fixed one keeps the conversations readable after the server restarts.
+        parts = {"store": gr.BrowserState([], storage_key="qvl-conversations", secret="qvl-conversations"),
+                 "new": gr.Button(i18n("new_conversation"), variant="primary", size="sm", elem_id="kept-new"),
+                 "list": gr.Radio([], label=i18n("conversations"), show_label=False, elem_id="kept-list"),
+                 "delete": gr.Button(i18n("delete_conversation"), size="sm", elem_id="kept-delete"),
+                 "markdown": gr.DownloadButton(i18n("download_markdown"), size="sm", interactive=False),
+                 "json": gr.DownloadButton(i18n("download_json"), size="sm", interactive=False, elem_id="kept-json"),
+                 "upload": gr.UploadButton(i18n("upload_conversation"), file_types=[".json"], size="sm",
+                                           elem_id="kept-upload")}
+        gr.Markdown(i18n("kept_here"), elem_id="kept-here")
+    return parts
+
+
+def listing(store: list[dict], current: str | None = None) -> gr.Radio:
+    """The sidebar's list: each kept conversation by its title, `current` chosen."""
+    return gr.Radio(choices=[(kept["title"], kept["id"]) for kept in store], value=current)
+
+
+def edited(conversation: list[dict], index: int, text: str) -> list[dict] | None:
+    """The conversation asked again from its question at `index`, with `text` now: the turns before it, then the
+    question with its images, waiting for its answer. None for a question emptied of everything."""
+    if not (text.strip() or conversation[index]["images"]):
+        return None
+    return conversation[:index] + [dict(conversation[index], text=text, pending=True, failed=False)]
 
 
 async def until(stop: asyncio.Future, updates):
@@ -74,9 +109,10 @@ async def until(stop: asyncio.Future, updates):
             await asyncio.wait([step])
 
 
-def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State, session: list, answerer):
+def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State, session: list, answerer,
+         kept: dict):
     """The tab's events. session: the inputs that make a request (conversation, use_cache, then the controls of
-    settings.SESSION_PARAMS in that order)."""
+    settings.SESSION_PARAMS in that order); kept: the sidebar's parts (draw_kept)."""
 
     # Stop ends an answer from inside its event rather than through Gradio's `cancels`, whose race with the stream
     # left an "Error" overlay over the chat in a CI run. A session's entry is a future whose result says why the
@@ -175,6 +211,59 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
         user, conversation = conversation[last], conversation[:last]
         return conversation, render(conversation), asking(True, value={"text": user["text"], "files": user["images"]})
 
+    def edit(conversation: list, shown: list, request: gr.Request, change: gr.EditData):
+        """An edited question replaces its turn and the turns after it go; it is answered again, after the turns
+        before it sent unchanged, so that conversation memory reuses them."""
+        index = change.index
+        if index >= len(conversation):  # past --max-sessions Gradio dropped this session's state: say so
+            return ask(conversation, shown, request, change.value, [])
+        asked = edited(conversation, index, change.value)
+        if asked is None:  # emptied: the question stays as it was
+            return conversation, render(conversation), gr.skip()
+        stops.pop(request.session_hash, None)
+        return asked, render(asked), asking(False)
+
+    def offered(record: dict | None, lang: str = "en") -> list:
+        """The download buttons with the shown conversation's files (swept with the uploads), or none to offer."""
+        if record is None:
+            return [gr.DownloadButton(value=None, interactive=False)] * 2
+        files = [(history.to_zip(record, lang), history.file_name(record, "zip")),
+                 (history.to_json(record), history.file_name(record, "json"))]
+        return [gr.DownloadButton(value=history.written(chatbot.GRADIO_CACHE, data, name), interactive=True)
+                for data, name in files]
+
+    def keep(conversation: list, store: list, current: str | None, request: gr.Request):
+        """After each answer or undo: the conversation kept in the browser, first in the list, and offered for
+        download."""
+        if not any(e["role"] == "user" for e in conversation):
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        lang = texts.language(request)
+        record = history.record(conversation, current or uuid.uuid4().hex, lang)
+        store = history.keep(store, record)
+        return store, listing(store, record["id"]), *offered(record, lang)
+
+    def open_kept(current: str | None, store: list, request: gr.Request):
+        """The conversation chosen in the list, in the chat again, its pictures where the model reads them."""
+        record = next((k for k in store if k["id"] == current), None)
+        if record is None:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        conversation = history.restore(record, chatbot.GRADIO_CACHE)
+        return conversation, render(conversation), *offered(record, texts.language(request))
+
+    def add_upload(path: str, store: list, request: gr.Request):
+        """A downloaded JSON kept again, first in the list; anything else is refused with a message."""
+        try:
+            record = history.from_json(Path(path).read_bytes(), uuid.uuid4().hex)
+        except InputError as e:  # logged as one line, as bad input is; a toast in the user's language
+            raise gr.Error(answers.problem(texts.language(request), e), print_exception=False) from None
+        store = history.keep(store, record)
+        return store, listing(store, record["id"])
+
+    def delete(current: str | None, store: list):
+        """The chosen conversation gone from the browser (Clear's step emptied the chat)."""
+        store = [k for k in store if k["id"] != current]
+        return store, listing(store), *offered(None)
+
     shown = [conversation, chatbot, box]
     private = dict(api_visibility="private")
     streamed = dict(inputs=session, outputs=[conversation, chatbot], concurrency_limit=None, show_progress="hidden",
@@ -183,16 +272,32 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
     # queued event in the default group (concurrency 1), and a progress overlay covers the chat meanwhile.
     light = dict(queue=False, show_progress="hidden", **private)
     reopen = dict(fn=lambda: asking(True), outputs=box, **light)
+    # Each conversation is kept in the browser once it settles: after each answer, and after Undo.
+    store, listed, downloads = kept["store"], kept["list"], [kept["markdown"], kept["json"]]
+    keeping = dict(fn=keep, inputs=[conversation, store, listed], outputs=[store, listed, *downloads], **light)
     asked = box.submit(add_user, [box, conversation, chatbot], shown, **light)
     asked = asked.then(answering(fresh=False), **streamed)
-    asked.then(**reopen)
+    asked.then(**reopen).then(**keeping)
     picked = chatbot.example_select(add_example, [conversation, chatbot], shown, **light)
     picked = picked.then(answering(fresh=False), **streamed)
-    picked.then(**reopen)
+    picked.then(**reopen).then(**keeping)
     redone = chatbot.retry(drop_answer, conversation, shown, **light)
     redone = redone.then(answering(fresh=True), **streamed)
-    redone.then(**reopen)
-    # Undo and Retry are the Chatbot's own icons, disabled while an answer is written; Clear is not, so it ends one.
+    redone.then(**reopen).then(**keeping)
+    changed = chatbot.edit(edit, [conversation, chatbot], shown, **light)
+    changed = changed.then(answering(fresh=False), **streamed)
+    changed.then(**reopen).then(**keeping)
+    # Undo, Retry and Edit are the Chatbot's own icons, disabled while an answer is written; Clear is not, so it ends
+    # one, and so does whatever shows another conversation (by Clear's own step first).
     box.stop(stop_answer, **light)
-    chatbot.undo(undo, conversation, shown, **light)
-    chatbot.clear(clear, None, shown, **light)
+    chatbot.undo(undo, conversation, shown, **light).then(**keeping)
+    emptied = gr.on([chatbot.clear, kept["new"].click], clear, None, shown, **light)
+    emptied.then(lambda: (gr.Radio(value=None), *offered(None)), None, [listed, *downloads], **light)
+    opening = dict(fn=open_kept, inputs=[listed, store], outputs=[conversation, chatbot, *downloads], **light)
+    listed.input(clear, None, shown, **light).then(**opening)
+    # Queued, unlike its neighbours: a refusal's toast needs the queue.
+    uploaded = kept["upload"].upload(add_upload, [kept["upload"], store], [store, listed], show_progress="hidden",
+                                     **private)
+    uploaded.success(clear, None, shown, **light).then(**opening)
+    deleted = kept["delete"].click(clear, None, shown, **light)
+    deleted.then(delete, [listed, store], [store, listed, *downloads], **light)

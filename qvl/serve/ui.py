@@ -27,6 +27,7 @@ CSS = """
   #chatbot .examples { display: grid; grid-template-columns: 1fr 1fr; gap: 0.5rem; }
   #chatbot .example-image-container, #chatbot .example-image-container img { width: 3.5rem; height: 3.5rem; }
 }
+#kept-list .wrap { flex-direction: column; }
 footer .show-api { display: flex !important; }
 footer .show-api-divider { display: block !important; }
 """
@@ -87,6 +88,8 @@ def build(answerer: Answerer, settings) -> gr.Blocks:
         warming = gr.Markdown(I18N("warming"), visible=not engine.ready.is_set(), elem_id="warming")
         # Checks once a second until the engine is warm, then stops: an idle page costs the server nothing.
         ticking = gr.Timer(1.0, active=not engine.ready.is_set())
+        # The kept conversations' sidebar beside both tabs: inside one it left a blank column beside the other.
+        kept = chat_tab.draw_kept(I18N)
         with gr.Tabs():
             with gr.Tab(I18N("chat"), id="chat"):
                 chatbot, box = chat_tab.draw(I18N)
@@ -94,7 +97,7 @@ def build(answerer: Answerer, settings) -> gr.Blocks:
                 parts = settings_tab.draw(I18N, engine, cache, settings)
         # What every question sends along: the chat, the cache switch and the session's settings, in SESSION_PARAMS order.
         session = [conversation, parts["use_cache"], *(parts["controls"][name] for name in SESSION_PARAMS)]
-        chat_tab.wire(chatbot, box, conversation, session, answerer)
+        chat_tab.wire(chatbot, box, conversation, session, answerer, kept)
         settings_tab.wire(parts, tab, demo, engine, cache, settings)
         api.wire(conversation, session, answerer, settings)
         if settings.mcp:
@@ -104,6 +107,7 @@ def build(answerer: Answerer, settings) -> gr.Blocks:
             return chat_tab.welcome(texts.language(request))
 
         demo.load(in_their_language, None, chatbot, api_visibility="private")
+        demo.load(chat_tab.listing, kept["store"], kept["list"], api_visibility="private")
 
         def warm(request: gr.Request) -> tuple:  # a load that fails in the background falls back before it is ready
             now, lang = engine.progress(), texts.language(request)
