@@ -8,6 +8,9 @@ from typing import Protocol, runtime_checkable
 
 from qvl import texts
 
+# An answer's text holds a Thinking model's reasoning between these, before the answer (qvl.serve.thinking splits it).
+THINK, THOUGHT = "<think>", "</think>"
+
 
 @dataclass(frozen=True)
 class Turn:
@@ -28,6 +31,7 @@ class Stats:
     truncated: bool = False  # ended by the max-new-tokens cap
     reused_tokens: int = 0  # prompt tokens whose KV came from a kept conversation, not prefilled
     cached_images: int = 0  # images whose vision features came from the feature store, not the vision tower
+    thinking_s: float = 0.0  # from the request to the end of a Thinking model's reasoning; 0 for other models
 
 
 class InputError(ValueError):
@@ -66,8 +70,9 @@ class Engine(Protocol):
     ready: threading.Event  # set once warm_up() is done: requests before it wait
 
     def chat(self, turns: list[Turn], params=None) -> Iterator[str | Stats]:
-        """Text pieces as they come, then one Stats; closing the iterator stops generation within one step. Raises
-        InputError for what the user can fix, EngineError for what they cannot."""
+        """Text pieces as they come, then one Stats; closing the iterator stops generation within one step. The text
+        of a Thinking model's answer starts with THINK, and its reasoning ends at THOUGHT. Raises InputError for what
+        the user can fix, EngineError for what they cannot."""
 
     def warm_up(self, pictures: list, question: str):
         """Make the first answer fast, then set ready (even on failure)."""

@@ -45,6 +45,9 @@ TEXT = {
         "not_operator": "Only the operator of this server can change this.",
         "stopped": "stopped",
         "no_answer": "(the model gave no answer: rephrase the question, or press Retry for another try)",
+        "thinking": "Thinking", "thought_for": "thought for {seconds:.1f} s",
+        "thought_cut": "(the model was still thinking when it reached the max-new-tokens limit, so it gave no answer: "
+                       "raise Max new tokens in Settings and ask again)",
         "forgotten": "⚠ The server no longer remembers the earlier messages (many visitors came after your last "
                      "one), so this starts a new conversation.",
         "stats": "first token {ttft:.2f} s · {tps:.1f} tok/s · {image_tokens} image tokens · {total:.1f} s total",
@@ -161,6 +164,8 @@ TEXT = {
         "not_operator": "只有本服务器的管理员可以修改此项。",
         "stopped": "已停止",
         "no_answer": "（模型没有给出回答：请换个说法提问，或点“重试”再试一次）",
+        "thinking": "思考过程", "thought_for": "思考 {seconds:.1f} 秒",
+        "thought_cut": "（模型达到最大生成 token 数时仍在思考，所以没有给出回答：请在“设置”中调大“最大生成 token 数”后再问一次）",
         "forgotten": "⚠ 服务器已不再记得之前的消息（在您上次提问后来了很多访客），以下是一个新的对话。",
         "stats": "首个 token {ttft:.2f} 秒 · {tps:.1f} token/秒 · 图片 {image_tokens} token · "
                  "共 {total:.1f} 秒",

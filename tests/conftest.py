@@ -19,6 +19,12 @@ def tiny_dir(tmp_path_factory):
     return tiny.build(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.fixture(scope="session")
+def thinking_dir(tmp_path_factory):
+    """The tiny model with a Thinking model's template and <think> tokens (tiny.build's thinking)."""
+    return tiny.build(tmp_path_factory.mktemp("thinking"), thinking=True)
+
+
 def _small_model(seed=0):
     """The tiny checkpoint's classes at a width where residual outliers behave as at 2B (layers' writes dwarf the
     token table's entries): 512 hidden, 2 layers, fp32."""

@@ -66,6 +66,7 @@ def test_an_image_in_a_data_url_is_answered_whole_with_usage(app, tmp_path):
                                                max_tokens=8)
     choice, used = reply.choices[0], reply.usage
     assert choice.message.role == "assistant" and choice.message.content
+    assert getattr(choice.message, "reasoning_content", None) is None  # an Instruct model's answer: no reasoning
     assert used.prompt_tokens > 20 and 1 <= used.completion_tokens <= 8  # the 20 image tokens are in the prompt
     assert used.total_tokens == used.prompt_tokens + used.completion_tokens
     assert choice.finish_reason == ("length" if used.completion_tokens == 8 else "stop")

@@ -16,7 +16,7 @@ from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from qvl import conversation, images, texts
-from qvl.conversation import Stats, Turn
+from qvl.conversation import THINK, THOUGHT, Stats, Turn
 from qvl.engine import cpu, features, generate, heap, jit, kv, modelcache, modes, quant, tiny
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
@@ -67,7 +67,7 @@ class _GaveWay(Exception):
 
 
 class Engine:
-    """Qwen3-VL loaded once; attributes model_id, folder, precision, identity, max_context describe it.
+    """Qwen3-VL loaded once; attributes model_id, folder, precision, identity, max_context, thinking describe it.
 
     loaded is set once the weights are in, ready once warm_up() has run (the app says it is warming up until then),
     settled once the background work of a start is done: the model a first start converted is kept in the model
@@ -123,6 +123,10 @@ class Engine:
         """The checkpoint's folder, processor and configuration: what describes the model before its weights."""
         self.folder = _local_copy(source)
         self.processor = ImageOnlyProcessor.from_pretrained(self.folder, backend="pil")
+        # A Thinking model's prompt ends inside the reasoning that its answer begins with (Qwen3-VL-2B-Thinking's).
+        prompt = self.processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": ""}]}],
+                                                    add_generation_prompt=True, tokenize=False)
+        self.thinking = prompt.rstrip().endswith(THINK)
         self.weights = modelcache.weights_version(self.folder)
         self.mode = mode = self.settings.mode
         if mode in ("bf16", "w8a16") and not modes.native_bf16():  # said on every start, converting or not
@@ -353,7 +357,8 @@ class Engine:
         return True
 
     def chat(self, turns: list[Turn], params: GenParams | None = None) -> Iterator[str | Stats]:
-        """Answer the conversation: yield text pieces as they are generated, then one Stats.
+        """Answer the conversation: yield text pieces as they are generated, then one Stats. A Thinking model's text
+        starts with the THINK its prompt ends with, so that its reasoning reads as the template writes it.
 
         Raises InputError (before any model compute) for unusable images or a conversation over the context limit.
         """
@@ -375,13 +380,16 @@ class Engine:
             positions, delta = generate.positions(self.model, inputs)
             prefill, prompt, reused, cached = self._prefill(turns, inputs, positions, params)
             ids, sent, first, failed = [], "", None, False
+            opening, thought = THINK + "\n" if self.thinking else "", None  # thought: when THOUGHT came
             tokens = generate.stream(self.model, prefill, params, self._stop, delta,
                                      keep_answer=self.mode not in quant.PROMPT_TWINS)
             try:
                 for token in tokens:
                     first = first or time.perf_counter()
                     ids.append(token)
-                    text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
+                    text = opening + self.processor.tokenizer.decode(ids, skip_special_tokens=True)
+                    if opening and thought is None and THOUGHT in text:
+                        thought = time.perf_counter()
                     if not text.endswith("\ufffd"):  # hold back a half-decoded UTF-8 character
                         yield text[len(sent):]
                         sent = text
@@ -395,7 +403,7 @@ class Engine:
                     # left unfed by a client that went away); stopped answers too, for a follow-up to reuse.
                     cache = prefill["cache"]
                     self.kv.keep((prompt + tuple(ids))[:cache.get_seq_length()], cache)
-            text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
+            text = opening + self.processor.tokenizer.decode(ids, skip_special_tokens=True)
             if text != sent:
                 yield text[len(sent):]
             end = time.perf_counter()
@@ -406,7 +414,7 @@ class Engine:
             prompt_tokens=prompt_tokens, image_tokens=image_tokens, new_tokens=len(ids),
             ttft_s=first - start, decode_tok_s=(len(ids) - 1) / (end - first) if len(ids) > 1 else 0.0,
             total_s=end - start, stopped=stopped, truncated=not stopped and len(ids) >= params.max_new_tokens,
-            reused_tokens=reused, cached_images=cached,
+            reused_tokens=reused, cached_images=cached, thinking_s=(thought or end) - start if opening else 0.0,
         )
 
     def _too_long(self, needed: int, image_tokens: int, pictures: int) -> InputError:

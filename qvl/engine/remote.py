@@ -16,7 +16,7 @@ import time
 import httpx
 
 from qvl import conversation, images
-from qvl.conversation import EngineError, Stats, Turn
+from qvl.conversation import THINK, THOUGHT, EngineError, Stats, Turn
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
 
@@ -121,7 +121,9 @@ class RemoteEngine:
         return out, image_tokens
 
     def chat(self, turns: list[Turn], params: GenParams | None = None):
-        """Answer the conversation through the backend: yield text pieces as they stream in, then one Stats.
+        """Answer the conversation through the backend: yield text pieces as they stream in, then one Stats. A
+        Thinking model's reasoning, which the backend sends apart (reasoning_content), comes in the local engine's
+        tags: THINK, the reasoning, THOUGHT, then the answer.
 
         Closing this generator (Stop, a client gone) closes the stream from the backend, which ends its work there.
         """
@@ -135,6 +137,7 @@ class RemoteEngine:
         body.update({"temperature": 0} if params.greedy else
                     {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k})
         pieces, first, finish, usage, done = 0, None, None, {}, False
+        thinking, thought = False, None  # the backend sent reasoning; when its answer began
         request = self.http.build_request("POST", self.url + "/chat/completions", json=body)
         response = self._call(lambda: self.http.send(request, stream=True))
         try:
@@ -152,7 +155,13 @@ class RemoteEngine:
                 usage = event.get("usage") or usage
                 for choice in event.get("choices") or []:
                     finish = choice.get("finish_reason") or finish
-                    text = (choice.get("delta") or {}).get("content")
+                    delta, text = choice.get("delta") or {}, ""
+                    reasoning = delta.get("reasoning_content") or delta.get("reasoning")  # vLLM's and others' names
+                    if reasoning and thought is None:
+                        text, thinking = ("" if thinking else THINK + "\n") + reasoning, True
+                    if delta.get("content") and thinking and thought is None:
+                        text, thought = text + f"\n{THOUGHT}\n\n", time.perf_counter()
+                    text += delta.get("content") or ""
                     if text:
                         first, pieces = first or time.perf_counter(), pieces + 1
                         yield text
@@ -171,7 +180,8 @@ class RemoteEngine:
             prompt_tokens=usage.get("prompt_tokens", 0), image_tokens=image_tokens, new_tokens=new_tokens,
             ttft_s=first - start, decode_tok_s=(new_tokens - 1) / (end - first) if new_tokens > 1 and end > first else 0.0,
             total_s=end - start, stopped=False, truncated=finish == "length",  # a stopped answer is closed first
-            reused_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            reused_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            thinking_s=(thought or end) - start if thinking else 0.0)
 
 
 def refusal(response: httpx.Response) -> Exception:

@@ -1,13 +1,13 @@
 """A tiny Qwen3-VL checkpoint built locally: the real classes at toy sizes, for offline tests and fallback.
 
-    python -m qvl.tiny DIR
+    python -m qvl.tiny DIR [--thinking]
 """
 import argparse
 import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 # Qwen's special tokens, in Qwen's order; the tiny vocabulary puts them right after the 256 byte tokens.
@@ -31,8 +31,28 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
+# Qwen3-VL-Thinking's, likewise: a past answer keeps only what follows its reasoning's </think>, and the prompt ends
+# inside the next one's reasoning, so that the model writes its reasoning, </think>, then the answer.
+THINKING_TEMPLATE = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' or 'image' in part -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- for message in messages -%}"
+    "{%- set content = render(message['content']) -%}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}"
+)
 
-def _tokenizer() -> PreTrainedTokenizerFast:
+
+def _tokenizer(thinking: bool = False) -> PreTrainedTokenizerFast:
     # Byte-level BPE with no merges: every UTF-8 string round-trips, and the vocabulary stays at 256 + specials.
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
@@ -40,17 +60,20 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    if thinking:  # tokens of their own, as Qwen's, that decoding keeps (they are not special)
+        tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE, model_max_length=4096,
+        chat_template=THINKING_TEMPLATE if thinking else CHAT_TEMPLATE, model_max_length=4096,
     )
 
 
-def build(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a complete tiny checkpoint (model, tokenizer, processor config) to out_dir and return it."""
+def build(out_dir: str | Path, seed: int = 0, thinking: bool = False) -> Path:
+    """Write a complete tiny checkpoint (model, tokenizer, processor config) to out_dir and return it; thinking: a
+    Thinking model's (Qwen3-VL-2B-Thinking's template and <think> tokens), the same model otherwise."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer()
+    tokenizer = _tokenizer(thinking)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = Qwen3VLConfig(
         text_config=dict(
@@ -78,7 +101,7 @@ def build(out_dir: str | Path, seed: int = 0) -> Path:
         patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
         size={"shortest_edge": 64 * 32 * 32, "longest_edge": 16384 * 32 * 32},
     ).save_pretrained(out)
-    (out / "qvl_tiny.json").write_text(json.dumps({"seed": seed}))
+    (out / "qvl_tiny.json").write_text(json.dumps({"seed": seed, "thinking": thinking}))
     return out
 
 
@@ -86,4 +109,7 @@ def main():
     parser = argparse.ArgumentParser(prog="python -m qvl.tiny", description="Write the tiny offline Qwen3-VL (random "
                                      "weights, real classes) to a folder, for `python app.py --model DIR`.")
     parser.add_argument("dir", help="the folder to write")
-    print(build(parser.parse_args().dir))
+    parser.add_argument("--thinking", action="store_true", help="a Thinking model's template and tokens: its answers "
+                        "come after a reasoning, as Qwen3-VL-2B-Thinking's do")
+    args = parser.parse_args()
+    print(build(args.dir, thinking=args.thinking))

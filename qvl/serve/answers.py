@@ -13,6 +13,7 @@ from dataclasses import replace
 from qvl import images, texts
 from qvl.conversation import EngineError, Turn
 from qvl.images import InputError
+from qvl.serve import thinking
 from qvl.serve.line import Busy, Line, Taken
 from qvl.settings import SESSION_PARAMS
 from qvl.sizes import parse_size
@@ -22,10 +23,18 @@ log = logging.getLogger("qvl")
 class Update:
     """One step of an answer: its place in line while waiting, then the text so far, then the final stats."""
 
-    text: str = ""
+    text: str = ""  # the answer, without a Thinking model's reasoning
     ahead: int = 0
     stats: dict | None = None
     cached_in: float | None = None  # seconds a cache hit took, for a cached answer
+    reasoning: str | None = None  # a Thinking model's reasoning so far; None for a model that gives none
+    thinking: bool = False  # the reasoning has not ended: the model still thinks or, finished, the token cap cut it
+
+    @classmethod
+    def of(cls, text: str, final: bool, **rest) -> "Update":
+        """An Update of the engine's text so far, its reasoning apart from its answer (qvl.serve.thinking)."""
+        reasoning, answer, still = thinking.split(text, final)
+        return cls(text=answer, reasoning=reasoning, thinking=still, **rest)
 
 
 def size_text(n: int) -> str:
@@ -80,7 +89,7 @@ class Answerer:
             key = await asyncio.to_thread(cache.key, turns, params, self.engine.identity)
             hit = await asyncio.to_thread(cache.get, key)
             if hit is not None:
-                yield Update(text=hit.text, stats=hit.stats, cached_in=time.perf_counter() - start)
+                yield Update.of(hit.text, True, stats=hit.stats, cached_in=time.perf_counter() - start)
                 return
         ticket, pieces, step = self.line.join(client, priority), None, None
         try:
@@ -99,7 +108,7 @@ class Answerer:
                 # A fast model would send a browser 100 re-renders a second; 20 look the same and cost it less.
                 if time.monotonic() - shown >= 0.05:
                     shown = time.monotonic()
-                    yield Update(text=text)
+                    yield Update.of(text, False)
         except BaseException:
             self.line.abandon(ticket)  # the client may ask again at once, behind what is left of this one
             # Whoever stopped the answer does not wait for the engine's current step (a prefill takes seconds): it is
@@ -111,7 +120,7 @@ class Answerer:
         await self._release(ticket, pieces, step)
         if key is not None:
             await asyncio.to_thread(cache.put, key, text, item)
-        yield Update(text=text, stats=dataclasses.asdict(item))
+        yield Update.of(text, True, stats=dataclasses.asdict(item))
 
     async def _release(self, ticket, pieces, step):
         try:
@@ -144,9 +153,21 @@ def problem(lang: str, error: Exception) -> str:
 
 
 def no_answer(lang: str, update: Update) -> str:
-    """For a finished answer without text (the model stopped at once, or wrote only blank lines): what to do. Else
-    ""."""
-    return texts.say(lang, "no_answer") if update.stats is not None and not update.text.strip() else ""
+    """For a finished answer without text (the model stopped at once, wrote only blank lines, or was still thinking
+    at the token cap): what to do. Else ""."""
+    if update.stats is None or update.text.strip():
+        return ""
+    return texts.say(lang, "thought_cut" if update.thinking and update.stats.get("truncated") else "no_answer")
+
+
+def thought(lang: str, update: Update) -> dict | None:
+    """The reasoning's title, status and (once the answer is done) how long it took, as Gradio's Chatbot metadata
+    shows a thought: open with a spinner while pending, collapsed when done. None for an answer without reasoning."""
+    pending = update.thinking and update.stats is None
+    if update.reasoning is None or not (update.reasoning or pending):
+        return None
+    seconds = {"duration": round(update.stats.get("thinking_s", 0.0), 1)} if update.stats is not None else {}
+    return {"title": texts.say(lang, "thinking"), "status": "pending" if pending else "done", **seconds}
 
 
 def stats_line(lang: str, update: Update) -> str:
@@ -162,6 +183,8 @@ def figures(lang: str, update: Update) -> str:
         return texts.say(lang, "from_cache", elapsed=update.cached_in, total=s["total_s"])
     parts = [texts.say(lang, "stats", ttft=s["ttft_s"], tps=s["decode_tok_s"], image_tokens=s["image_tokens"],
                        total=s["total_s"])]
+    if s.get("thinking_s"):
+        parts.append(texts.say(lang, "thought_for", seconds=s["thinking_s"]))
     if s.get("reused_tokens"):
         parts.append(texts.say(lang, "reused", tokens=s["reused_tokens"], prompt=s["prompt_tokens"]))
     if s.get("cached_images"):

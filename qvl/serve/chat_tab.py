@@ -26,9 +26,11 @@ EXAMPLES = [("chart.png", "example_chart"), ("receipt.png", "example_receipt"), 
 
 def render(conversation: list[dict]) -> list[dict]:
     """Chatbot messages: the images then the text of each user turn; each answer (or that there is none) with its
-    quiet stats line."""
+    quiet stats line, after its reasoning's own message (a Thinking model's), collapsed under a title."""
     messages = []
     for e in conversation:
+        if e.get("thought"):  # Gradio's metadata (answers.thought) makes a message of it a thought
+            messages.append({"role": "assistant", "content": e["reasoning"], "metadata": e["thought"]})
         if e["role"] == "user":
             content = [{"path": p} for p in e["images"]] + ([e["text"]] if e["text"] else [])
         else:
@@ -36,6 +38,13 @@ def render(conversation: list[dict]) -> list[dict]:
             content = "\n\n".join(part for part in (e["text"], e.get("empty"), note) if part)
         messages.append({"role": e["role"], "content": content})
     return messages
+
+
+def entry(conversation: list[dict], message: int) -> int:
+    """The index in the conversation of the entry that render()'s message number `message` shows (an answer with
+    reasoning shows two), len(conversation) for one past its end."""
+    owners = [i for i, e in enumerate(conversation) for _ in range(1 + bool(e.get("thought")))]
+    return owners[message] if message < len(owners) else len(conversation)
 
 
 def asking(possible: bool, **box) -> gr.MultimodalTextbox:
@@ -138,6 +147,7 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
                 async with contextlib.aclosing(answerer.answer(turns, params, use_cache, fresh, **who)) as updates:
                     async for update in until(stop, updates):
                         reply["text"], reply["done"] = update.text, update.stats is not None
+                        reply["reasoning"], reply["thought"] = update.reasoning, answers.thought(lang, update)
                         reply["note"] = answers.figures(lang, update) if update.stats else (
                             texts.say(lang, "waiting", ahead=update.ahead) if update.ahead else "")
                         reply["empty"] = answers.no_answer(lang, update)
@@ -160,7 +170,9 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
         last = conversation[-1] if conversation else {}
         if last.get("role") == "assistant" and not last.get("done") and not last.get("failed"):
             marked = dict(last, note=texts.say(lang, "stopped"))
-            conversation = conversation[:-1] + ([marked] if last["text"] else [])
+            if last.get("thought"):  # its reasoning so far, no longer pending
+                marked["thought"] = dict(last["thought"], status="done")
+            conversation = conversation[:-1] + ([marked] if last["text"] or last.get("reasoning") else [])
         return conversation
 
     def end_answer(request: gr.Request, why: str):
@@ -214,7 +226,7 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
     def edit(conversation: list, shown: list, request: gr.Request, change: gr.EditData):
         """An edited question replaces its turn and the turns after it go; it is answered again, after the turns
         before it sent unchanged, so that conversation memory reuses them."""
-        index = change.index
+        index = entry(conversation, change.index)
         if index >= len(conversation):  # past --max-sessions Gradio dropped this session's state: say so
             return ask(conversation, shown, request, change.value, [])
         asked = edited(conversation, index, change.value)

@@ -1,7 +1,8 @@
 """The OpenAI chat API on the page's own server: POST /v1/chat/completions and GET /v1/models.
 
 It answers through the same Answerer as the page and `ask`: the same line, answer cache, engine and kept
-conversations (matched by content, so a follow-up that resends the conversation reuses its prefix). Errors are
+conversations (matched by content, so a follow-up that resends the conversation reuses its prefix). A Thinking model's
+reasoning is the message's reasoning_content, as vLLM and llama-server send it, and its answer the content. Errors are
 OpenAI error objects with the page's wording, in the request's Accept-Language.
 """
 import contextlib
@@ -229,27 +230,32 @@ class OpenAIApi:
 
     @staticmethod
     async def pieces(update, updates, stops: list[str]):
-        """(new text, None) as the answer grows, then ("", (finish_reason, stats)); stats is None when a stop
-        sequence ended it early (the answer is closed there, so the rest is never generated)."""
-        sent = ""
+        """(delta, None) as the answer grows, its new reasoning ({"reasoning_content": …}) or its new text
+        ({"content": …}), then ({}, (finish_reason, stats)); stats is None when a stop sequence ended it early (the
+        answer is closed there, so the rest is never generated). Stop sequences end the answer, not the reasoning."""
+        sent = thought = ""
         while True:
             final = update.stats is not None
+            if len(update.reasoning or "") > len(thought):
+                yield {"reasoning_content": update.reasoning[len(thought):]}, None
+                thought = update.reasoning
             shown, hit = cut(update.text, stops, final)
             if len(shown) > len(sent):
-                yield shown[len(sent):], None
+                yield {"content": shown[len(sent):]}, None
                 sent = shown
             if hit or final:
                 truncated = not hit and update.stats.get("truncated")
-                yield "", ("length" if truncated else "stop", None if hit else update)
+                yield {}, ("length" if truncated else "stop", None if hit else update)
                 return
             update = await anext(updates)
 
     async def whole(self, reply: dict, pieces, updates, lang: str, request: Request) -> Response:
-        text = ""
+        message = {"role": "assistant", "content": ""}
         async with contextlib.aclosing(updates):
             try:
-                async for piece, end in pieces:
-                    text += piece
+                async for delta, end in pieces:
+                    for field, piece in delta.items():
+                        message[field] = message.get(field, "") + piece
                     if end is None and await request.is_disconnected():
                         return Response(status_code=499)  # leaving the block frees the engine
             except Exception as e:
@@ -257,8 +263,7 @@ class OpenAIApi:
         reason, last = end
         return JSONResponse({
             **reply, "object": "chat.completion", "usage": usage(last and last.stats),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                         "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
             "qvl_status": status_line(lang, last)})
 
     async def events(self, reply: dict, pieces, updates, lang: str, wants_usage: bool):
@@ -272,9 +277,9 @@ class OpenAIApi:
         async with contextlib.aclosing(updates):
             yield chunk({"role": "assistant", "content": ""})
             try:
-                async for piece, end in pieces:
-                    if piece:
-                        yield chunk({"content": piece})
+                async for delta, end in pieces:
+                    if delta:
+                        yield chunk(delta)
             except Exception as e:  # after the status line went out: the error is an event, as OpenAI sends it
                 yield sse(json.loads(failure(lang, e).body))
                 return
