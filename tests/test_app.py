@@ -37,7 +37,7 @@ def started(job, streaming: bool = False):
 
 def collect(job) -> list[tuple[float, str, str]]:
     """Every streamed (arrival time, answer, status) of a job, in order."""
-    return [(time.monotonic(), answer, status) for answer, status in job]
+    return [(time.monotonic(), answer, status) for answer, status, _ in job]
 
 
 def test_an_image_question_is_answered_as_a_stream(app):
@@ -53,9 +53,9 @@ def test_an_image_question_is_answered_as_a_stream(app):
 def test_a_second_turn_carries_the_first_turns_image_until_a_new_conversation(app):
     client, short = Client(app.url, verbose=False), dict(use_cache=False, max_new_tokens=8, api_name="/ask")
     client.predict([handle_file(CHART)], "What does this chart show?", **short)
-    _, follow_up = client.predict([], "Which bar is the tallest?", **short)
+    _, follow_up, _ = client.predict([], "Which bar is the tallest?", **short)
     client.predict(api_name="/new_conversation")
-    _, alone = client.predict([], "Which bar is the tallest?", **short)
+    _, alone, _ = client.predict([], "Which bar is the tallest?", **short)
     assert "· 0 image tokens" not in follow_up and "image tokens" in follow_up
     assert "prompt tokens reused" in follow_up  # the first turn's attention cache was kept and reused
     assert "· 0 image tokens" in alone
@@ -74,7 +74,7 @@ def test_an_empty_answer_comes_with_a_note_in_its_status_and_is_asked_again_not_
     question = dict(question="Say nothing?", greedy=True, max_new_tokens=8, api_name="/ask")
     first = Client(app.url, verbose=False).predict([handle_file(CHART)], **question)
     again = Client(app.url, verbose=False).predict([handle_file(CHART)], **question)
-    for answer, status in (first, again):
+    for answer, status, _ in (first, again):
         assert not answer.strip()  # the model's text as it is, never a message in its place
         assert status.startswith("(the model gave no answer: rephrase the question, or press Retry")
         assert "tok/s" in status  # computed each time: an empty answer is not cached
@@ -85,7 +85,7 @@ def test_a_cached_answer_does_not_wait_behind_running_generations(app):
     clients[0].predict([handle_file(CHART)], "Count the bars.", api_name="/ask")
     running = started(ask(clients[0], "Describe the colours.", [CHART], use_cache=False))
     waiting = started(ask(clients[1], "Describe the axes.", [CHART], use_cache=False))
-    _, status = clients[2].predict([handle_file(CHART)], "Count the bars.", api_name="/ask")
+    _, status, _ = clients[2].predict([handle_file(CHART)], "Count the bars.", api_name="/ask")
     assert "answered from cache" in status
     assert not waiting.done()  # answered while two generations were still ahead of it
     collect(running), collect(waiting)
@@ -101,7 +101,7 @@ def test_a_second_client_waits_in_line_and_is_answered_once_the_first_is_done(la
         waiting = started(ask(second, "What colour is the last bar?", [CHART], use_cache=False, max_new_tokens=8))
         assert "Waiting in line: 1 request(s) ahead" in waiting.outputs()[-1][1]
         time.sleep(0.5)
-        assert not running.done() and not any(answer for answer, _ in waiting.outputs())  # still in line
+        assert not running.done() and not any(answer for answer, _, _ in waiting.outputs())  # still in line
         running.cancel()
         ended = time.monotonic()
         updates = collect(waiting)
@@ -141,7 +141,8 @@ def test_past_the_queue_bound_a_request_is_told_to_retry(launch_app):
 def test_bad_input_gets_a_message_and_the_next_request_works(app):
     with pytest.raises(AppError, match="type a question or add an image"):
         Client(app.url, verbose=False).predict([], "", api_name="/ask")
-    answer, _ = Client(app.url, verbose=False).predict([], "Hello?", use_cache=False, max_new_tokens=8, api_name="/ask")
+    answer, _, _ = Client(app.url, verbose=False).predict([], "Hello?", use_cache=False, max_new_tokens=8,
+                                                          api_name="/ask")
     assert answer
 
 
@@ -152,7 +153,7 @@ def test_the_api_names_its_two_endpoints_and_nothing_of_the_page(app):
     assert [p["parameter_name"] for p in ask["parameters"]] == [
         "images", "question", "use_cache", "max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k",
         "greedy", "seed"]
-    assert [r["label"] for r in ask["returns"]] == ["answer", "status"]
+    assert [r["label"] for r in ask["returns"]] == ["answer", "status", "boxes"]
     new = api["named_endpoints"]["/new_conversation"]
     assert new["parameters"] == [] and new["returns"] == []
 
@@ -204,7 +205,7 @@ def test_a_client_holds_one_place_in_line_and_gets_it_back_when_it_stops(ranked)
     assert "Waiting in line: 1 request(s) ahead" in waiting.outputs()[-1][1]
     first.cancel()
     # Stopped, ann may ask again at once, though the engine may still be finishing her stopped answer's step.
-    _, status = ann.predict([handle_file(CHART)], "Then this?", use_cache=False, max_new_tokens=8, api_name="/ask")
+    _, status, _ = ann.predict([handle_file(CHART)], "Then this?", use_cache=False, max_new_tokens=8, api_name="/ask")
     assert "first token" in status and "first token" in waiting.result(timeout=60)[1]
 
 
@@ -214,7 +215,7 @@ def test_a_cache_hit_is_answered_at_once_even_for_a_client_already_in_line(ranke
     computed = ranked.client("cat").predict([handle_file(CHART)], **question)  # ann's conversation stays empty
     running = started(ask(bob, "Tell me everything.", [CHART], use_cache=False), streaming=True)
     waiting = started(ask(ann, "Describe the axes.", [CHART], use_cache=False, max_new_tokens=8))
-    answer, status = ann.predict([handle_file(CHART)], **question)  # ann's second request: no place, no wait
+    answer, status, _ = ann.predict([handle_file(CHART)], **question)  # ann's second request: no place, no wait
     assert answer == computed[0] and "answered from cache" in status
     assert not waiting.done() and "Waiting in line: 1 request(s) ahead" in waiting.outputs()[-1][1]
     running.cancel()
@@ -226,7 +227,7 @@ def test_a_second_start_reads_the_kept_model_while_the_app_imports(launch_app, t
     Engine(settings.parse(["--model", str(tiny_dir), "--no-cache", *flags], env={}))  # the first start: converts
     with launch_app(*flags) as second:
         stress.api_ready(second.url)
-        _, status = Client(second.url, verbose=False).predict([], "Hi", max_new_tokens=4, api_name="/ask")
+        _, status, _ = Client(second.url, verbose=False).predict([], "Hi", max_new_tokens=4, api_name="/ask")
     assert "tok/s" in status
     assert "from the model cache" in second.log.read_text() and "read ahead" in second.log.read_text()
 

@@ -10,6 +10,7 @@ from qvl import settings
 from qvl.engine import modelcache, modes
 from qvl.engine.local import Engine
 from qvl.serve.ui import ASSETS
+from test_boxes import FENCED, answering
 from test_openai_api import serving
 from test_remote import ended
 from test_robustness import watch
@@ -175,9 +176,9 @@ def test_the_empty_chat_offers_examples_and_enter_on_an_empty_box_sends_nothing(
     time.sleep(1)
     assert page.locator('#chatbot [data-testid="user"], #chatbot [data-testid="bot"]').count() == 0
 
-    examples.filter(has_text="How many red circles").click()
+    examples.filter(has_text="Outline every red circle").click()
     page.wait_for_selector('#chatbot [data-testid="user"] img')
-    assert "How many red circles are there?" in page.locator('#chatbot [data-testid="user"]').last.inner_text()
+    assert "Outline every red circle and label it" in page.locator('#chatbot [data-testid="user"]').last.inner_text()
     wait_for_growing_answer(page)
     stop(page)
 
@@ -373,3 +374,17 @@ def test_a_fallback_after_the_page_is_up_raises_its_banner(browser, make_engine,
         page.wait_for_selector("#fallback", state="visible")
         engine.ready.set()
         page.wait_for_selector("#warming", state="hidden")
+
+
+def test_boxes_in_an_answer_are_drawn_under_it_open_full_size_and_download(browser, engine, tmp_path, monkeypatch):
+    engine.ready.set()
+    answering(monkeypatch, engine, "Found them:\n" + FENCED)
+    with serving(engine, tmp_path) as url:
+        page = open_page(browser, type("App", (), {"url": url}))
+        page.locator("#chatbot .example").filter(has_text="Outline every red circle").click()
+        drawn = page.wait_for_selector('#chatbot [data-testid="bot"] img')  # under the answer's text
+        assert "Found them:" in page.locator('#chatbot [data-testid="bot"]').first.inner_text()
+        page.locator('#chatbot a[download]').last.wait_for()  # Gradio's download button beside the picture
+        assert page.locator('#chatbot a[download]').last.get_attribute("href").rsplit("/", 1)[1].startswith("boxes-")
+        drawn.click()
+        page.wait_for_selector("#qvl-full img")

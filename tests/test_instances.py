@@ -31,7 +31,7 @@ def test_an_app_that_stops_takes_nothing_from_another_app_beside_it(launch_app, 
         with launch_app(GRADIO_TEMP_DIR=str(shared)) as b:  # the same picture, and the same examples
             Client(b.url, verbose=False).predict([handle_file(CHART)], "What does this chart show?", **SHORT)
             assert example_urls(b.url)
-        _, status = client.predict([], "Which bar is the tallest?", **SHORT)  # file not found: an AppError
+        _, status, _ = client.predict([], "Which bar is the tallest?", **SHORT)  # file not found: an AppError
         assert "image tokens" in status and "· 0 image tokens" not in status  # the chart is still part of it
         assert [httpx.get(url).status_code for url in thumbnails] == [200] * len(thumbnails)
 

@@ -183,9 +183,10 @@ def test_kv_memory_0_keeps_nothing(make_engine):
 def test_the_ask_api_reuses_its_clients_conversation(inproc, cold, tmp_path):
     picture().save(tmp_path / "picture.png")
     client, options = Client(inproc.url, verbose=False), dict(use_cache=False, greedy=True, max_new_tokens=12)
-    first, _ = client.predict([handle_file(str(tmp_path / "picture.png"))], "What is this?", **options, api_name="/ask")
+    first, _, _ = client.predict([handle_file(str(tmp_path / "picture.png"))], "What is this?", **options,
+                                 api_name="/ask")
     before = inproc.engine.memory_info()["conversations"]["reused_tokens"]
-    second, _ = client.predict([], "And then?", **options, api_name="/ask")
+    second, _, _ = client.predict([], "And then?", **options, api_name="/ask")
     turns = [Turn("user", "What is this?", (picture(),)), Turn("assistant", first), Turn("user", "And then?")]
     expected = ask(cold, turns)
     assert inproc.engine.memory_info()["conversations"]["reused_tokens"] - before >= expected.stats.image_tokens

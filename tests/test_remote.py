@@ -41,14 +41,14 @@ def test_a_second_app_fronts_the_first_caches_its_answers_and_outlives_it(launch
                         PYTHONPROFILEIMPORTTIME="1") as second:
             client = Client(second.url, verbose=False)
             updates = streamed(client, "What does this chart show?", [CHART], seed=3)
-            answers = [answer for answer, _ in updates if answer]
+            answers = [answer for answer, _, _ in updates if answer]
             assert len(answers) >= 2 and all(b.startswith(a) for a, b in zip(answers, answers[1:]))
             assert "first token" in updates[-1][1] and "· 300 image tokens ·" in updates[-1][1]
-            _, follow_up = client.predict([], "Which bar is the tallest?", **SHORT)
+            _, follow_up, _ = client.predict([], "Which bar is the tallest?", **SHORT)
             assert "prompt tokens reused" in follow_up  # the first kept the conversation; its stats came through
 
             first.stop()
-            again, status = Client(second.url, verbose=False).predict(
+            again, status, _ = Client(second.url, verbose=False).predict(
                 [handle_file(CHART)], "What does this chart show?", seed=3, **SHORT)
             assert "answered from cache" in status and again == answers[-1]  # the first is gone: the second's cache
             with pytest.raises(AppError, match="The model server cannot be reached right now"):
@@ -59,7 +59,7 @@ def test_a_second_app_fronts_the_first_caches_its_answers_and_outlives_it(launch
 
             with launch_app(*model_flags, port=first.port) as restarted:
                 ready(restarted.url, KEY)
-                answer, status = Client(second.url, verbose=False).predict([], "Anyone there?", **SHORT)
+                answer, status, _ = Client(second.url, verbose=False).predict([], "Anyone there?", **SHORT)
                 assert answer and "first token" in status  # recovered, the second never restarted
     imported = {line.rsplit("|", 1)[-1].strip() for line in second.log.read_text().splitlines()
                 if line.startswith("import time")}
@@ -88,7 +88,7 @@ def test_a_client_that_leaves_the_second_app_ends_the_generation_on_the_first(en
             launch_app("--backend", first + "v1") as second:
         stress.disconnect(second.url, None)  # asks the second's `ask` for 2000 tokens, leaves once they stream
         assert ended(runs)["pieces"] < 2000
-        answer, status = Client(second.url, verbose=False).predict([], "Next?", **{**SHORT, "max_new_tokens": 4})
+        answer, status, _ = Client(second.url, verbose=False).predict([], "Next?", **{**SHORT, "max_new_tokens": 4})
         assert "first token" in status and runs[-1]["finished"]  # the first is free for the next question
 
 

@@ -47,8 +47,8 @@ def entries(app) -> int:
 
 
 def still_answers(app) -> str:
-    answer, status = client(app).predict([handle_file(str(picture(app, "good.png")))], "Still there?", **SHORT,
-                                         api_name="/ask")
+    answer, status, _ = client(app).predict([handle_file(str(picture(app, "good.png")))], "Still there?", **SHORT,
+                                            api_name="/ask")
     assert "first token" in status
     return answer
 
@@ -178,11 +178,11 @@ def test_load_is_answered_in_arrival_order_unmixed_and_past_the_bound_told_busy(
     # The order they were answered in, as the server stored them: the order the clients' threads heard of it can
     # differ when answers take a few ms each (seen once in six runs on a 2-core Zen 5).
     store, firsts = cache.AnswerCache(str(app.cache_dir)), []
-    for i, (answer, status) in enumerate(answers):
+    for i, (answer, status, _) in enumerate(answers):
         first = Turn("user", f"Client {i}: what is this?", (str(files[i]),))
         firsts.append(store.get(store.key([first], asked(i), engine.identity)).created)
         assert answer == expected(engine, [first], seed=i)
-        follow_up, status = stress.ask(clients[i], "And what else?", seed=i).result(timeout=120)
+        follow_up, status, _ = stress.ask(clients[i], "And what else?", seed=i).result(timeout=120)
         assert stress.image_tokens(status) == 16 + i
         assert follow_up == expected(engine, [first, Turn("assistant", answer), Turn("user", "And what else?")], i)
     assert firsts == sorted(firsts)  # answered in arrival order
@@ -204,14 +204,14 @@ def test_a_pickle_planted_in_the_cache_is_never_unpickled(app, engine, tmp_path)
         planted.set(key("Unpickle me?"), Payload())
     ask = dict(images=[], use_cache=True, max_new_tokens=8, greedy=True, api_name="/ask")
     assert client(app).predict(question="Planted?", **ask)[0] == "PLANTED"  # the keys above are the app's
-    answer, status = client(app).predict(question="Unpickle me?", **ask)
+    answer, status, _ = client(app).predict(question="Unpickle me?", **ask)
     assert "first token" in status and "answered from cache" not in status
     assert not (tmp_path / "pwned").exists()
 
 
 def test_a_broken_cache_directory_changes_nothing_for_users(app):
     question = dict(images=[handle_file(str(picture(app, "cached.png")))], question="Cache me.", **SAMPLED)
-    answer, _ = client(app).predict(**question)
+    answer, _, _ = client(app).predict(**question)
     assert "answered from cache" in client(app).predict(**question)[1]
     for what, damage in stress.CACHE_DAMAGE.items():
         damage(app.cache_dir)
@@ -276,7 +276,7 @@ def test_sigterm_shuts_down_cleanly_and_frees_the_port(app):
 
 def image_tokens_seen(client: Client, question: str, files=()) -> int:
     """Ask, and return how many image tokens the model was given: the whole conversation's, as the server holds it."""
-    _, status = client.predict([handle_file(str(f)) for f in files], question, **SHORT, api_name="/ask")
+    _, status, _ = client.predict([handle_file(str(f)) for f in files], question, **SHORT, api_name="/ask")
     return stress.image_tokens(status)
 
 
@@ -348,7 +348,7 @@ def test_a_client_that_disconnects_mid_answer_frees_the_worker(inproc, monkeypat
     while not (runs and runs[0]["closed"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert runs[0]["closed"] and not runs[0]["finished"] and runs[0]["pieces"] < 2000
-    answer, status = Client(inproc.url, verbose=False).predict([], "Next?", **SHORT, api_name="/ask")
+    answer, status, _ = Client(inproc.url, verbose=False).predict([], "Next?", **SHORT, api_name="/ask")
     assert "first token" in status and runs[-1]["finished"]
 
 
@@ -369,7 +369,7 @@ def test_a_generation_that_fails_midway_tells_the_user_and_the_next_works(inproc
     finally:
         hook.remove()
     assert len(calls) == 3
-    answer, status = Client(inproc.url, verbose=False).predict(**question)
+    answer, status, _ = Client(inproc.url, verbose=False).predict(**question)
     assert "first token" in status and "answered from cache" not in status  # the failed answer was not stored
-    again, cached = Client(inproc.url, verbose=False).predict(**question)
+    again, cached, _ = Client(inproc.url, verbose=False).predict(**question)
     assert again == answer and cached.startswith("answered from cache in")

@@ -3,6 +3,7 @@
 Its components are hidden ones of its own, so that the API page names each input and output, uploads go through
 Gradio's file checks like the page's, and none of the page's internal events are part of it.
 """
+import asyncio
 import contextlib
 import inspect
 from urllib.parse import quote, unquote, urlsplit
@@ -11,7 +12,7 @@ import gradio as gr
 from gradio_client import handle_file
 
 from qvl import texts
-from qvl.serve import answers, links
+from qvl.serve import answers, boxes, links
 from qvl.serve.chat_tab import ASSETS, EXAMPLES
 from qvl.settings import SESSION_PARAMS
 
@@ -52,7 +53,8 @@ def wire(conversation: gr.State, session: list, answerer, settings):
     async def ask(request: gr.Request, images: list[str] | None, question: str, conversation: list,
                   use_cache: bool, max_image_tokens: int, max_new_tokens: int, temperature: float, top_p: float,
                   top_k: int, greedy: bool, seed: int):
-        """Answer a question about images, continuing this client's conversation. Streams (answer, status)."""
+        """Answer a question about images, continuing this client's conversation. Streams (answer, status, boxes):
+        boxes are the finished answer's boxes and points as data (qvl.serve.boxes), [] until then."""
         lang = texts.language(request)
         params = answerer.params(dict(max_image_tokens=max_image_tokens, max_new_tokens=max_new_tokens,
                                       temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, seed=seed))
@@ -65,11 +67,13 @@ def wire(conversation: gr.State, session: list, answerer, settings):
                 async for update in updates:
                     if update.stats is not None:
                         reply = {"role": "assistant", "text": update.text, "images": [], "note": ""}
-                        yield update.text, answers.stats_line(lang, update), conversation + [user, reply]
+                        image, marks = await asyncio.to_thread(boxes.grounded, conversation + [user], update.text)
+                        marks = boxes.described(marks, image.size) if marks else []
+                        yield update.text, answers.stats_line(lang, update), marks, conversation + [user, reply]
                     elif update.ahead:
-                        yield "", texts.say(lang, "waiting", ahead=update.ahead), conversation
+                        yield "", texts.say(lang, "waiting", ahead=update.ahead), [], conversation
                     else:
-                        yield update.text, "", conversation
+                        yield update.text, "", [], conversation
         except Exception as e:  # the user's mistake or a full line: no traceback in the log for those
             raise gr.Error(answers.problem(lang, e), print_exception=False) from None
 
@@ -85,6 +89,7 @@ def wire(conversation: gr.State, session: list, answerer, settings):
     images = images_input(f"http://127.0.0.1:{settings.port}{FILE_ROUTE}{quote(str(ASSETS / 'chart.png'))}")
     question = gr.Textbox(visible=False, label="question")
     answer, status = gr.Textbox(visible=False, label="answer"), gr.Textbox(visible=False, label="status")
-    gr.Button(visible=False).click(ask, [images, question, *session], [answer, status, conversation],
+    grounding = gr.JSON(visible=False, label="boxes")
+    gr.Button(visible=False).click(ask, [images, question, *session], [answer, status, grounding, conversation],
                                    concurrency_limit=None, api_name="ask")
     gr.Button(visible=False).click(new_conversation, None, conversation, api_name="new_conversation")

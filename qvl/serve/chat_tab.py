@@ -3,11 +3,14 @@ and the sidebar of conversations kept in the browser (qvl.serve.history).
 
 A conversation is a list of entries {"role", "text", "images", "note"} kept in a gr.State; a user entry marked
 "pending" is one waiting for its answer, an entry marked "failed" is shown but never sent to the model, and an answer
-without text has an "empty" entry saying so.
+without text has an "empty" entry saying so. An answer with boxes or points has them drawn on its image in a
+"drawn" entry, shown under it and never sent to the model (qvl.serve.boxes).
 """
 import asyncio
 import contextlib
+import os
 import random
+import tempfile
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +19,7 @@ import gradio as gr
 
 from qvl import texts
 from qvl.conversation import InputError
-from qvl.serve import answers, history
+from qvl.serve import answers, boxes, history
 from qvl.settings import SESSION_PARAMS
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -36,6 +39,8 @@ def render(conversation: list[dict]) -> list[dict]:
         else:
             note = f"<sub>{e['note']}</sub>" if e.get("note") else ""
             content = "\n\n".join(part for part in (e["text"], e.get("empty"), note) if part)
+            if e.get("drawn"):  # its boxes and points drawn on the image, under the answer
+                content = [content, e["drawn"]]
         messages.append({"role": e["role"], "content": content})
     return messages
 
@@ -45,6 +50,19 @@ def entry(conversation: list[dict], message: int) -> int:
     reasoning shows two), len(conversation) for one past its end."""
     owners = [i for i, e in enumerate(conversation) for _ in range(1 + bool(e.get("thought")))]
     return owners[message] if message < len(owners) else len(conversation)
+
+
+def drawn(conversation: list[dict], text: str, lang: str, folder: str) -> dict | None:
+    """An answer's boxes and points drawn on the image they refer to (boxes.grounded), as Chatbot content: a PNG in
+    `folder`, Gradio's own, which serves it (the picture opens full size and downloads) and sweeps it with the
+    uploads. None for an answer without any."""
+    image, marks = boxes.grounded(conversation, text)
+    if not marks:
+        return None
+    handle, path = tempfile.mkstemp(prefix="boxes-", suffix=".png", dir=folder)
+    with os.fdopen(handle, "wb") as file:
+        boxes.draw(image, marks).save(file, "PNG")
+    return {"path": path, "alt_text": texts.say(lang, "drawn")}
 
 
 def asking(possible: bool, **box) -> gr.MultimodalTextbox:
@@ -151,6 +169,9 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
                         reply["note"] = answers.figures(lang, update) if update.stats else (
                             texts.say(lang, "waiting", ahead=update.ahead) if update.ahead else "")
                         reply["empty"] = answers.no_answer(lang, update)
+                        if update.stats is not None:  # kept apart from "images", which the model is sent
+                            reply["drawn"] = await asyncio.to_thread(drawn, conversation[:-1], update.text, lang,
+                                                                     chatbot.GRADIO_CACHE)
                         yield conversation, render(conversation)
                 if stop.done():
                     conversation = [] if stop.result() == "clear" else stopped(conversation, lang)

@@ -183,7 +183,7 @@ class Tally:
         return self.sent - self.answered - self.busy - self.refused
 
     def outcome(self, job, started: float) -> tuple | None:
-        """Wait for job and count it: the (answer, status) pair when answered, else None."""
+        """Wait for job and count it: its (answer, status, boxes) when answered, else None."""
         try:
             result, error = job.result(timeout=TIMEOUT_S), None
         except Exception as e:
@@ -382,14 +382,14 @@ def cached_repeats(url: str, auth, repeats: int, image: Path) -> list[str]:
     polls its stream every 50 ms) and through plain HTTP calls to /gradio_api/call/ask. One line per way."""
     question, lines = "What does this chart show?", []
     client = Client(url, auth=auth, verbose=False)
-    first, _ = client.predict([handle_file(str(image))], question, **ASK, api_name="/ask")
+    first, _, _ = client.predict([handle_file(str(image))], question, **ASK, api_name="/ask")
     controls = [ASK[name] for name in ("max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k",
                                        "greedy", "seed")]
 
     def via_client():
         client.predict(api_name="/new_conversation")  # the same question again, not a follow-up
         start = time.perf_counter()
-        answer, status = client.predict([handle_file(str(image))], question, **ASK, api_name="/ask")
+        answer, status, _ = client.predict([handle_file(str(image))], question, **ASK, api_name="/ask")
         return time.perf_counter() - start, answer, status
 
     with httpx.Client(base_url=url, auth=auth) as http:  # one connection, kept alive, as a client app would
@@ -402,7 +402,7 @@ def cached_repeats(url: str, auth, repeats: int, image: Path) -> list[str]:
             event = http.post("/gradio_api/call/ask", json={"data": [[upload], question, ASK["use_cache"], *controls]})
             with http.stream("GET", f"/gradio_api/call/ask/{event.json()['event_id']}") as stream:
                 events = list(stream.iter_lines())
-            answer, status, _ = json.loads(events[events.index("event: complete") + 1].removeprefix("data: "))
+            answer, status, _, _ = json.loads(events[events.index("event: complete") + 1].removeprefix("data: "))
             return time.perf_counter() - start, answer, status
 
         for name, timed in (("gradio_client", via_client), ("HTTP /gradio_api/call/ask", via_http)):
