@@ -31,6 +31,8 @@ class Stats:
     truncated: bool = False  # ended by the max-new-tokens cap
     reused_tokens: int = 0  # prompt tokens whose KV came from a kept conversation, not prefilled
     cached_images: int = 0  # images whose vision features came from the feature store, not the vision tower
+    video_frames: int = 0  # frames sampled from the videos (their tokens are in image_tokens too)
+    video_tokens: int = 0
     thinking_s: float = 0.0  # from the request to the end of a Thinking model's reasoning; 0 for other models
 
 

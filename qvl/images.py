@@ -10,7 +10,7 @@ import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from qvl import documents, texts
+from qvl import documents, texts, video
 from qvl.conversation import InputError
 
 PIXELS_PER_TOKEN = 32 * 32  # 16 px patches, merged 2x2 into one visual token
@@ -74,19 +74,21 @@ def _digest(image: Image.Image) -> str:
 
 
 def open(source) -> Picture:
-    """A path, bytes or PIL image decoded into a Picture (raising ImageError as load() does); a Picture as it is."""
-    return source if isinstance(source, Picture) else Picture(load(source))
+    """A path, bytes or PIL image decoded into a Picture (raising ImageError as load() does); a Picture or a
+    video.Clip as it is."""
+    return source if isinstance(source, (Picture, video.Clip)) else Picture(load(source))
 
 
 def opened(turns: list, params) -> list:
     """turns (conversation.Turn) with each upload decoded once for all that read it after: an image as a Picture, a
-    PDF as the Pictures of its pages, in order. params (GenParams) holds the limits (max_pdf_pages)."""
+    PDF as the Pictures of its pages, in order, a video or an animated GIF as a video.Clip. params (GenParams) holds
+    the limits (max_pdf_pages, max_video_frames)."""
     return [dataclasses.replace(turn, images=tuple(item for source in turn.images for item in _uploaded(source, params)))
             for turn in turns]
 
 
 def _uploaded(source, params) -> list:
-    if isinstance(source, (Picture, Image.Image)):
+    if isinstance(source, (Picture, video.Clip, Image.Image)):
         return [open(source)]
     name = os.path.basename(source) if isinstance(source, (str, os.PathLike)) else "upload"
     try:
@@ -96,6 +98,8 @@ def _uploaded(source, params) -> list:
         raise ImageError("not_found", name=name) from None
     if documents.is_pdf(source, head):
         return [Picture(load(page)) for page in documents.pages(source, name, params.max_pdf_pages)]
+    if video.is_video(source, head):
+        return [video.load(source, head, name, params.max_video_frames)]
     return [open(source)]
 
 

@@ -30,6 +30,7 @@ class GenParams:
     min_image_tokens: int = 16
     min_new_tokens: int = 0  # only the benchmark forces a length
     max_pdf_pages: int = 8  # each page costs an image's tokens: 8 at the default budget fit the context with room
+    max_video_frames: int = 8  # each pair costs an image's tokens: a 10 s clip answers on 2 cores (docs/robustness.md)
 
 
 # The GenParams fields a visitor may set for their session (settings tab, `ask`, the OpenAI API), by name; the rest
@@ -110,7 +111,7 @@ BOUNDS = {
     "temperature": (0.05, 2.0), "top_p": (0.05, 1.0), "top_k": (1, 200), "seed": (0, 2**32 - 1),
     # 16384: the largest image Qwen3-VL's processor makes (16M pixels); the processor refuses a smallest of 0.
     "max_image_tokens": (16, 16384), "min_image_tokens": (16, 16384),
-    "max_pdf_pages": (1, None),
+    "max_pdf_pages": (1, None), "max_video_frames": (2, 768),  # 768: the most Qwen3-VL's video processor samples
     "port": (1, 65535), "queue_size": (1, None), "max_sessions": (1, None), "upload_hours": (0, None),
     "backend_timeout": (1, None), "concurrency": (1, None),
 }
@@ -141,6 +142,8 @@ _HELP = {
     "min_image_tokens": "smallest visual-token count per image (tiny images are upscaled to it)",
     "min_new_tokens": "force answers to at least this many tokens (for benchmarks)",
     "max_pdf_pages": "longest PDF accepted, in pages; each page is an image within --max-image-tokens",
+    "max_video_frames": "most frames sampled from a video (2 a second, evenly spread over a longer clip); each "
+                        "pair of frames costs up to --max-image-tokens",
     "host": "address to bind; 0.0.0.0 exposes the app to your network",
     "port": "port to serve on",
     "share": "create a public Gradio share link",

@@ -83,12 +83,18 @@ TEXT = {
                            "Please downscale it first.",
         "far_too_many": "far too many",
         "file_too_big": "{name} is larger than {limit}; please upload a smaller picture.",
-        # PDFs (qvl/documents.py).
+        # PDFs (qvl/documents.py) and videos (qvl/video.py).
         "pdf_damaged": "{name} is not a PDF this app can read (damaged, truncated or not a PDF at all); please upload "
                        "a complete PDF, or a picture of the page.",
         "pdf_locked": "{name} is password-protected; please upload a PDF without a password, or a picture of the page.",
         "pdf_too_many_pages": "{name} has {pages} pages; PDFs of up to {limit} pages are accepted. Please upload only "
                               "the pages you are asking about.",
+        "video_damaged": "{name} is not a video this app can read (damaged, truncated or not a video at all); please "
+                         "upload a complete MP4, WebM or MOV clip.",
+        "video_audio_only": "{name} holds only sound; this app answers about pictures and video, not audio.",
+        "video_too_long": "{name} lasts {seconds} s; videos of up to {limit} s are accepted. Please cut out the part "
+                          "you are asking about.",
+        "video_part": "video: {frames} frames, {tokens} tokens",
         "empty_question": "Please type a question or add an image.",
         "bad_role": "Unknown role {role!r}: each turn is 'system', 'user' or 'assistant'.",
         "ends_with_user": "The conversation must end with a user message.",
@@ -201,6 +207,10 @@ TEXT = {
         "pdf_damaged": "无法读取 PDF 文件 {name}（已损坏、不完整或根本不是 PDF），请上传完整的 PDF，或该页的图片。",
         "pdf_locked": "{name} 有密码保护，请上传没有密码的 PDF，或该页的图片。",
         "pdf_too_many_pages": "{name} 有 {pages} 页；最多接受 {limit} 页的 PDF，请只上传你要问的那几页。",
+        "video_damaged": "无法读取视频 {name}（已损坏、不完整或根本不是视频），请上传完整的 MP4、WebM 或 MOV 片段。",
+        "video_audio_only": "{name} 只有声音；本应用只回答关于图片和视频的问题，不处理音频。",
+        "video_too_long": "{name} 长 {seconds} 秒；最多接受 {limit} 秒的视频，请剪出你要问的那一段。",
+        "video_part": "视频：{frames} 帧，{tokens} token",
         "empty_question": "请输入问题或添加图片。",
         "bad_role": "未知角色 {role!r}：每一轮必须是 'system'、'user' 或 'assistant'。",
         "ends_with_user": "对话必须以用户消息结尾。",

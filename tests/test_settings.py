@@ -72,6 +72,8 @@ BAD = {
     "--min-new-tokens": (["--min-new-tokens", "-1"], {},
                          "argument --min-new-tokens: -1 is not a whole number of at least 0"),
     "--max-pdf-pages": (["--max-pdf-pages", "0"], {}, "argument --max-pdf-pages: 0 is not a whole number of at least 1"),
+    "--max-video-frames": ([], {"QVL_MAX_VIDEO_FRAMES": "1000"},
+                           "QVL_MAX_VIDEO_FRAMES: 1000 is not a whole number from 2 to 768"),
     "--host": (["--host", "http://0.0.0.0"], {},
                "argument --host: http://0.0.0.0 is not an address such as 127.0.0.1 or 0.0.0.0, nor a host name"),
     "--port": (["--port", "70000"], {}, "argument --port: 70000 is not a whole number from 1 to 65535"),

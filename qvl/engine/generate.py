@@ -62,7 +62,7 @@ def positions(model, inputs: dict) -> tuple[torch.Tensor, int]:
     the cache (an image takes fewer positions than tokens): computed per prompt, because what transformers keeps on
     the model (rope_deltas) is the last prompt's, whichever conversation that was."""
     position_ids, deltas = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
-                                                      inputs.get("image_grid_thw"))
+                                                      inputs.get("image_grid_thw"), inputs.get("video_grid_thw"))
     return position_ids, int(deltas.reshape(-1)[0])
 
 

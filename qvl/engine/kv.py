@@ -35,11 +35,12 @@ def parse_limit(text: str) -> int:
     return auto_limit() if text == "auto" else parse_size(text)
 
 
-def content(ids: list[int], image_token: int, images: list[tuple[str, int]]) -> tuple:
-    """ids with each image's placeholder tokens replaced by its identity; images: (identity, token count) in order."""
+def content(ids: list[int], placeholders: tuple[int, ...], images: list[tuple[str, int]]) -> tuple:
+    """ids with each image's placeholder tokens (an image's or a video's) replaced by its identity; images: (identity,
+    token count) in order, a video's frame pairs each one."""
     out, queue, left, identity = [], iter(images), 0, None
     for token in ids:
-        if token == image_token:
+        if token in placeholders:
             if not left:
                 identity, left = next(queue)
             out.append(identity)

@@ -11,11 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlparse
 
+import numpy as np
 import torch
 from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+from transformers.video_utils import VideoMetadata
 
-from qvl import conversation, images, texts
+from qvl import conversation, images, texts, video
 from qvl.conversation import THINK, THOUGHT, Stats, Turn
 from qvl.engine import cpu, features, generate, heap, jit, kv, modelcache, modes, quant, tiny
 from qvl.images import InputError
@@ -51,9 +53,31 @@ class ModelUnavailable(RuntimeError):
 
 
 class ImageOnlyProcessor(Qwen3VLProcessor):
-    # Qwen3VLProcessor also builds a video processor, which needs torchvision; this demo only takes images.
+    """Qwen3VLProcessor without the video processor it would build, which needs torchvision: videos come as frames
+    already sampled (qvl.video) and sized (images.prepare) with their VideoMetadata, _process_videos makes their pixel
+    rows as Qwen3-VL's video processor does, and Qwen3VLProcessor's own code writes their timestamped placeholders."""
+
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
+        # Qwen3-VL's video processor has its image processor's patch, merge and temporal sizes, mean and std.
+        self.video_processor = image_processor
+
+    def _process_videos(self, videos, video_metadata, **kwargs):
+        p, rows, grids = self.image_processor, [], []
+        mean, std = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) for v in (p.image_mean, p.image_std))
+        size, merge, step = p.patch_size, p.merge_size, p.temporal_patch_size
+        for frames in videos:
+            x = torch.from_numpy(np.stack([np.asarray(f) for f in frames])).permute(0, 3, 1, 2).float()
+            x = (x * p.rescale_factor - mean) / std
+            if pad := -len(x) % step:  # the last frame repeated, as the video processor pads
+                x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
+            t, c, h, w = x.shape
+            x = x.view(t // step, step, c, h // size // merge, merge, size, w // size // merge, merge, size)
+            rows.append(x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(-1, c * step * size * size))
+            grids.append([t // step, h // size, w // size])
+        out = {"pixel_values_videos": torch.cat(rows), "video_grid_thw": torch.tensor(grids),
+               "video_metadata": video_metadata}
+        return out, [self.replace_video_token(out, i) for i in range(len(videos))]
 
 
 # Engines that close() at exit; weak, so that an engine nobody uses any more (tests start many) is freed: its threads
@@ -368,7 +392,7 @@ class Engine:
         if not self._wait_loaded():
             raise RuntimeError("the server is shutting down")
         conversation.check(turns)
-        turns = images.opened(turns, params)  # once: the prompt, conversation memory and the feature store all read them
+        turns = images.opened(turns, params)  # once: the prompt, conversation memory and the feature store read them
         inputs, image_tokens = self._inputs(turns, params)
         prompt_tokens = inputs["input_ids"].shape[1]
         budget = self.max_context - prompt_tokens
@@ -415,6 +439,8 @@ class Engine:
             ttft_s=first - start, decode_tok_s=(len(ids) - 1) / (end - first) if len(ids) > 1 else 0.0,
             total_s=end - start, stopped=stopped, truncated=not stopped and len(ids) >= params.max_new_tokens,
             reused_tokens=reused, cached_images=cached, thinking_s=(thought or end) - start if opening else 0.0,
+            video_frames=sum(len(c.frames) for t in turns for c in t.images if isinstance(c, video.Clip)),
+            video_tokens=int((inputs["input_ids"] == self.model.config.video_token_id).sum()),
         )
 
     def _too_long(self, needed: int, image_tokens: int, pictures: int) -> InputError:
@@ -436,7 +462,8 @@ class Engine:
         if self.kv is None and self.features is None:
             return {**inputs, "position_ids": positions}, (), 0, 0
         pictures = self._images(turns, inputs, params)
-        prompt = kv.content(ids[0].tolist(), self.model.config.image_token_id, pictures)
+        prompt = kv.content(ids[0].tolist(), (self.model.config.image_token_id, self.model.config.video_token_id),
+                            pictures)
         cache, start = (None, 0) if self.kv is None else self.kv.take(prompt)
         if self.kv is not None:
             self.kv.reserve(kv.per_token_bytes(self.model) * (len(prompt) + params.max_new_tokens))
@@ -445,20 +472,39 @@ class Engine:
         encoded, cached = self._image_features(inputs, pictures, first) if first < len(pictures) else (None, 0)
         prefill = {"input_ids": ids[:, start:], "position_ids": positions[:, :, start:],
                    "cache": cache or DynamicCache(config=self.model.config),
-                   "mm_encoder_outputs": {"image": encoded} if encoded else None}
+                   "mm_encoder_outputs": encoded}
         return prefill, prompt, start, cached
 
     def _images(self, turns: list[Turn], inputs: dict, params: GenParams) -> list[tuple[str, int]]:
-        """Per image (a Picture): its identity, its pixels' digest with the token budgets that size it (all that
-        decides what the vision tower is given), and its token count."""
-        grids = inputs.get("image_grid_thw")
-        merged = [] if grids is None else grids.prod(-1) // self.model.config.vision_config.spatial_merge_size ** 2
+        """Per image (a Picture) and per frame pair of a video (a video.Clip), in the prompt's order: its identity,
+        the pixels' digest with the token budgets that size them (all that decides what the vision tower is given),
+        and its token count."""
         budgets = f"{params.min_image_tokens}-{params.max_image_tokens}"
-        pictures = [picture for turn in turns for picture in turn.images]
-        return [(f"{picture.digest}:{budgets}", int(n)) for picture, n in zip(pictures, merged, strict=True)]
+        identities = [identity for turn in turns for item in turn.images for identity in (
+            [f"{item.digest}#{i}:{budgets}" for i in range(-(-len(item.frames) // 2))]
+            if isinstance(item, video.Clip) else [f"{item.digest}:{budgets}"])]
+        merge = self.model.config.vision_config.spatial_merge_size ** 2
+        return [(identity, int(grid.prod()) // merge)
+                for identity, (_, _, grid) in zip(identities, self._units(inputs), strict=True)]
+
+    def _units(self, inputs: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """What the vision tower encodes, in the prompt's order: each image, and each frame pair of a video (which
+        it encodes on its own, as get_rope_index splits it), as its kind ("image", "video"), pixel rows and grid."""
+        parts, config = {}, self.model.config
+        for kind, rows, grids in (("image", inputs.get("pixel_values"), inputs.get("image_grid_thw")),
+                                  ("video", inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"))):
+            if grids is not None:
+                grids = torch.repeat_interleave(grids, grids[:, 0], dim=0)
+                grids[:, 0] = 1
+                parts[kind] = iter(zip(rows.split(grids.prod(-1).tolist()), grids))
+        ids = inputs["input_ids"][0].tolist()
+        kinds = {config.image_token_id: "image", config.video_token_id: "video"}
+        starts = [t for i, t in enumerate(ids) if t in kinds and (i == 0 or ids[i - 1] != t)]
+        return [(kinds[t], *next(parts[kinds[t]])) for t in starts]
 
     def _image_features(self, inputs: dict, pictures: list[tuple[str, int]], first: int):
-        """The vision features of images first.. as the model takes them, and how many came from the store."""
+        """The vision features of images (and frame pairs) first.. as the model takes them (mm_encoder_outputs, by
+        kind), and how many came from the store."""
         config = self.model.config.vision_config
         layers, found = len(config.deepstack_visual_indexes), {}
         keys = [f"{identity}|{self.identity}" for identity, _ in pictures]
@@ -467,27 +513,38 @@ class Engine:
                 shape = torch.Size([pictures[i][1], config.out_hidden_size])
                 found[i] = self.features.get(keys[i], shape, layers, self.model.dtype)
         missing = [i for i in range(first, len(pictures)) if found.get(i) is None]
+        units = self._units(inputs)
         if missing:
-            grids = inputs["image_grid_thw"]
-            bounds = [0, *grids.prod(-1).cumsum(0).tolist()]
-            pixels = torch.cat([inputs["pixel_values"][bounds[i]:bounds[i + 1]] for i in missing])
-            out = self.model.model.get_image_features(pixels, grids[missing], return_dict=True)
+            pixels = torch.cat([units[i][1] for i in missing])
+            grids = torch.stack([units[i][2] for i in missing])
+            out = self.model.model.get_image_features(pixels, grids, return_dict=True)
             for j, i in enumerate(missing):
                 found[i] = out.pooler_output[j], [layer[j] for layer in out.deepstack_features]
                 if self.features is not None:
                     self.features.put(keys[i], found[i])
-        wanted = range(first, len(pictures))
-        return BaseModelOutputWithDeepstackFeatures(
-            pooler_output=tuple(found[i][0] for i in wanted),
-            deepstack_features=[tuple(found[i][1][layer] for i in wanted) for layer in range(layers)],
-        ), len(wanted) - len(missing)
+        encoded = {}
+        for kind in ("image", "video"):
+            if wanted := [i for i in range(first, len(pictures)) if units[i][0] == kind]:
+                encoded[kind] = BaseModelOutputWithDeepstackFeatures(
+                    pooler_output=tuple(found[i][0] for i in wanted),
+                    deepstack_features=[tuple(found[i][1][layer] for i in wanted) for layer in range(layers)])
+        return encoded, len(pictures) - first - len(missing)
 
     def _inputs(self, turns: list[Turn], params: GenParams) -> tuple[dict, int]:
         """Tokenize the conversation and preprocess its images, refusing an oversized one before pixel work."""
-        messages, pictures = [], []
+        messages, pictures, clips, metadata = [], [], [], []
         for turn in turns:
             content = []
             for source in turn.images:
+                if isinstance(source, video.Clip):
+                    clips.append([images.prepare(f, params.max_image_tokens, params.min_image_tokens)
+                                  for f in source.frames])
+                    metadata.append(VideoMetadata(total_num_frames=len(source.frames), fps=source.fps,
+                                                  frames_indices=list(source.indices)))
+                    # The processor writes each frame pair's time, vision start, pads and end in its place, as
+                    # Qwen3-VL was trained (a template's own video slot would wrap them in a second start and end).
+                    content.append({"type": "text", "text": "<|video_pad|>"})
+                    continue
                 pictures.append(images.prepare(images.open(source).image, params.max_image_tokens,
                                                params.min_image_tokens))
                 content.append({"type": "image"})
@@ -496,15 +553,19 @@ class Engine:
             text = turn.text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
             content.append({"type": "text", "text": text})
             messages.append({"role": turn.role, "content": content})
-        image_tokens = sum(images.tokens(p) for p in pictures)
+        # A video's frame pair costs what one of its frames would as an image.
+        image_tokens = sum(images.tokens(p) for p in pictures) + sum(images.tokens(c[0]) * -(-len(c) // 2)
+                                                                     for c in clips)
         prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        text_tokens = len(self.processor.tokenizer(prompt)["input_ids"]) - len(pictures)
+        text_tokens = len(self.processor.tokenizer(prompt)["input_ids"]) - len(pictures) - len(clips)
         if text_tokens + image_tokens >= self.max_context:
-            raise self._too_long(text_tokens + image_tokens, image_tokens, len(pictures))
+            raise self._too_long(text_tokens + image_tokens, image_tokens, len(pictures) + len(clips))
         size = {"shortest_edge": params.min_image_tokens * 1024, "longest_edge": params.max_image_tokens * 1024}
         inputs = self.processor(
-            text=[prompt], images=pictures or None, return_tensors="pt", images_kwargs={"size": size}
+            text=[prompt], images=pictures or None, videos=clips or None, return_tensors="pt",
+            images_kwargs={"size": size}, videos_kwargs={"video_metadata": metadata},
         )
-        if "pixel_values" in inputs:
-            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        for name in ("pixel_values", "pixel_values_videos"):
+            if name in inputs:
+                inputs[name] = inputs[name].to(self.model.dtype)
         return dict(inputs), image_tokens

@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from qvl import conversation, images
+from qvl import conversation, images, video
 from qvl.conversation import THINK, THOUGHT, EngineError, Stats, Turn
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
@@ -110,12 +110,19 @@ class RemoteEngine:
         for turn in images.opened(turns, params):  # a PDF as its pages
             content = []
             for source in turn.images:
-                picture = images.prepare(images.open(source).image, params.max_image_tokens, params.min_image_tokens)
-                image_tokens += images.tokens(picture)
-                png = io.BytesIO()
-                picture.save(png, "PNG")
-                url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-                content.append({"type": "image_url", "image_url": {"url": url}})
+                # A video goes as its sampled frames with their times: OpenAI-compatible servers differ in whether
+                # and how they take video, and every one takes images.
+                if isinstance(source, video.Clip):
+                    times = ", ".join(f"{i / source.fps:.1f} s" for i in source.indices)
+                    content.append({"type": "text", "text": f"(The next {len(source.frames)} images are frames of "
+                                                             f"one video, at {times}.)"})
+                for frame in source.frames if isinstance(source, video.Clip) else [images.open(source).image]:
+                    picture = images.prepare(frame, params.max_image_tokens, params.min_image_tokens)
+                    image_tokens += images.tokens(picture)
+                    png = io.BytesIO()
+                    picture.save(png, "PNG")
+                    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+                    content.append({"type": "image_url", "image_url": {"url": url}})
             content.append({"type": "text", "text": turn.text})
             out.append({"role": turn.role, "content": content})
         return out, image_tokens

@@ -185,6 +185,8 @@ def figures(lang: str, update: Update) -> str:
                        total=s["total_s"])]
     if s.get("thinking_s"):
         parts.append(texts.say(lang, "thought_for", seconds=s["thinking_s"]))
+    if s.get("video_frames"):
+        parts.append(texts.say(lang, "video_part", frames=s["video_frames"], tokens=s["video_tokens"]))
     if s.get("reused_tokens"):
         parts.append(texts.say(lang, "reused", tokens=s["reused_tokens"], prompt=s["prompt_tokens"]))
     if s.get("cached_images"):

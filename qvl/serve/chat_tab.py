@@ -85,8 +85,9 @@ def draw(i18n: gr.I18n) -> tuple[gr.Chatbot, gr.MultimodalTextbox]:
     chatbot = gr.Chatbot(label=i18n("conversation"), show_label=False, height="64vh", elem_id="chatbot",
                          buttons=["copy", "copy_all"], feedback_options=None, placeholder=texts.TEXT["en"]["welcome"],
                          examples=examples("en"), editable="user", group_consecutive_messages=False)
-    box = gr.MultimodalTextbox(file_types=["image", ".pdf"], file_count="multiple", placeholder=i18n("placeholder"),
-                               show_label=False, elem_id="ask", autofocus=True, submit_btn=True, stop_btn=False)
+    box = gr.MultimodalTextbox(file_types=["image", ".pdf", "video"], file_count="multiple",
+                               placeholder=i18n("placeholder"), show_label=False, elem_id="ask", autofocus=True,
+                               submit_btn=True, stop_btn=False)
     return chatbot, box
 
 
