@@ -53,7 +53,7 @@ def test_a_browser_reads_that_the_page_needs_auth_in_its_language(app):
 
 
 def test_clients_that_send_the_key_get_answers_from_gradios_api_and_the_mcp_tool(app):
-    answer, status = Client(app.url, headers=BEARER, verbose=False).predict(
+    answer, status, _ = Client(app.url, headers=BEARER, verbose=False).predict(
         [handle_file(CHART)], "What is this?", api_name="/ask")
     assert answer and "image tokens" in status
     with pytest.raises(AuthenticationError):
@@ -81,7 +81,7 @@ def test_with_auth_the_page_offers_the_login_and_gradios_doors_need_it(engine, t
         for method, path in GRADIO_DOORS:
             assert httpx.request(method, url + path).status_code == 401, (method, path)
         assert httpx.get(url + "v1/models", headers=BEARER).status_code == 200
-        answer, _ = Client(url, auth=("ann", "pw"), verbose=False).predict([], "Hi", api_name="/ask")
+        answer, _, _ = Client(url, auth=("ann", "pw"), verbose=False).predict([], "Hi", api_name="/ask")
         assert answer
 
 

@@ -45,13 +45,6 @@ def render(conversation: list[dict]) -> list[dict]:
     return messages
 
 
-def entry(conversation: list[dict], message: int) -> int:
-    """The index in the conversation of the entry that render()'s message number `message` shows (an answer with
-    reasoning shows two), len(conversation) for one past its end."""
-    owners = [i for i, e in enumerate(conversation) for _ in range(1 + bool(e.get("thought")))]
-    return owners[message] if message < len(owners) else len(conversation)
-
-
 def drawn(conversation: list[dict], text: str, lang: str, folder: str) -> dict | None:
     """An answer's boxes and points drawn on the image they refer to (boxes.grounded), as Chatbot content: a PNG in
     `folder`, Gradio's own, which serves it (the picture opens full size and downloads) and sweeps it with the
@@ -63,6 +56,13 @@ def drawn(conversation: list[dict], text: str, lang: str, folder: str) -> dict |
     with os.fdopen(handle, "wb") as file:
         boxes.draw(image, marks).save(file, "PNG")
     return {"path": path, "alt_text": texts.say(lang, "drawn")}
+
+
+def entry(conversation: list[dict], message: int) -> int:
+    """The index in the conversation of the entry that render()'s message number `message` shows (an answer with
+    reasoning shows two), len(conversation) for one past its end."""
+    owners = [i for i, e in enumerate(conversation) for _ in range(1 + bool(e.get("thought")))]
+    return owners[message] if message < len(owners) else len(conversation)
 
 
 def asking(possible: bool, **box) -> gr.MultimodalTextbox:
