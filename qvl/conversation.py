@@ -16,7 +16,7 @@ THINK, THOUGHT = "<think>", "</think>"
 class Turn:
     role: str  # "user" or "assistant"; "system" as the first turn
     text: str = ""
-    images: tuple = ()  # paths, bytes or PIL images, shown before the text
+    images: tuple = ()  # images.Picture (decoded once, hashed once), paths, bytes or PIL images, shown before the text
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 import torch
+import transformers
 from transformers import AutoConfig, DynamicCache, Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 from transformers.video_utils import VideoMetadata
@@ -160,9 +161,11 @@ class Engine:
         self.model_id = source
         limit = AutoConfig.from_pretrained(self.folder).text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context, limit)
-        # What makes this engine's answers what they are; part of every answer-cache key. The context limit is in
-        # it because near the limit it shortens the answer.
-        self.identity = f"{source}@{self.weights}|{self.precision}|ctx{self.max_context}"
+        # What makes this engine's answers what they are; part of every answer-cache and feature-store key. The context
+        # limit is in it because near the limit it shortens the answer, transformers' version because its image
+        # processing and model code make the features.
+        self.identity = (f"{source}@{self.weights}|{self.precision}|ctx{self.max_context}"
+                         f"|transformers {transformers.__version__}")
 
     def _load(self):
         store = self.settings.model_cache_dir if self.settings.model_cache else None
