@@ -152,11 +152,11 @@ def test_fidelity_of_int4_goes_through_its_decode_kernel(tiny_dir, monkeypatch):
 
 def test_kernels_time_each_way_to_read_a_linear():
     engine = torch.backends.quantized.engine
-    rows = bench.kernels(out_features=64, in_features=128, copies=2, repeats=1)
+    rows = bench.kernels(out_features=64, in_features=128, copies=2, repeats=1, prompt_rows=8)
     assert [r["kernel"] for r in rows] == ["fbgemm int8", "oneDNN int8 (torch's other int8 engine)",
                                            "int4 g128, bf16 activations", "int8 weight-only, bf16 activations",
-                                           "int8 weight-only, fp32 activations", "fp32"]
-    assert all(r["ms"] > 0 and r["weights_gb_s"] > 0 for r in rows)
+                                           "int8 weight-only, fp32 activations", "bf16", "fp32"]
+    assert all(r["ms"] > 0 and r["weights_gb_s"] > 0 and r["prompt_gflop_s"] > 0 for r in rows)
     assert torch.backends.quantized.engine == engine  # oneDNN's packing leaves fbgemm the engine of everything else
 
 
@@ -174,6 +174,7 @@ def test_the_kernels_flag_prints_its_table():
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| fbgemm int8 |" in result.stdout and "| fp32 |" in result.stdout and "torch 2" in result.stdout
+    assert "| kernel | decode ms | weights GB/s | prompt GFLOP/s |" in result.stdout
 
 
 def test_linears_measures_each_way_to_compute_the_linears_against_fp32(tiny_dir):

@@ -5,7 +5,7 @@
     python -m qvl.bench --random-weights --rows auto,auto-warm --runs 1    # first start, then a second one
     python -m qvl.bench --random-weights --outliers --rows fp32,bf16,auto --runs 1   # weights with activation outliers
     python -m qvl.bench --model /path/to/Qwen3-VL-2B-Instruct
-    python -m qvl.bench --kernels    # one linear's decode row in each kernel: what auto's choice rests on
+    python -m qvl.bench --kernels    # one linear's decode row and prompt in each kernel: what auto's choice rests on
     python -m qvl.bench --random-weights --linears    # fidelity of each way to compute the linears, one process
 
 Standard request: one 640x480 photo-like image (300 image tokens), a one-sentence question, 64 new tokens forced
@@ -254,14 +254,19 @@ def photo() -> Image.Image:
     return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
 
 
-def bandwidth_gb_s() -> float:
-    """Memory read bandwidth: the best of a few sums over a 1 GiB tensor (far beyond any cache)."""
+def bandwidth_gb_s(passes: int = 5) -> float:
+    """Memory read bandwidth: the fastest of a few ways to read 1 GiB (far beyond any cache) with every thread, best
+    of several passes each. One way alone under-reads some CPUs (a sum read an AMX Xeon slower than its decode step
+    did, which put decode rows above 100% of their bound)."""
     data = torch.ones(1 << 28)
+    matrix, vector = data.view(1 << 14, 1 << 14), torch.ones(1 << 14)
+    ways = [data.sum, data.amax, lambda: matrix @ vector]  # a reduction, another, and decode's own matrix-vector read
     best = float("inf")
-    for _ in range(4):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
+    for way in ways:
+        for _ in range(passes):
+            start = time.perf_counter()
+            way()
+            best = min(best, time.perf_counter() - start)
     return data.numel() * 4 / best / 1e9
 
 
@@ -399,41 +404,51 @@ def step_split(model, prompt_tokens: int, steps: int = 12) -> dict:
     return split
 
 
-def kernels(out_features: int = 6144, in_features: int = 2048, copies: int = 24, repeats: int = 5) -> list[dict]:
-    """One decode row through one linear (gate/up-sized by default) in each kernel qvl can use without a compiler,
-    weights out of cache (a ring of copies larger than the L3 cache): time per call and weight bytes read per second.
-    """
+def kernels(out_features: int = 6144, in_features: int = 2048, copies: int = 24, repeats: int = 5,
+            prompt_rows: int = 300) -> list[dict]:
+    """Each kernel qvl can use without a compiler, through one linear (gate/up-sized by default): one decode row with
+    the weights out of cache (a ring of copies larger than the L3 cache), as time per call and weight bytes read per
+    second, and a prompt's rows (the standard request's ~300) as GFLOP/s: what auto's choice for decode and prefill
+    rests on."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
-    x = torch.randn(1, in_features)
+    row, prompt = torch.randn(1, in_features), torch.randn(prompt_rows, in_features)
     w = linear.weight.float()
     scale = w.abs().amax(1) / 127
     q = (w / scale[:, None]).round().to(torch.int8)
     candidates = {  # name -> (make one copy of the weights, call it on x, weight bytes)
-        "fbgemm int8": (lambda: quant._dynamic_int8(linear), lambda m: m(x), 1),
+        "fbgemm int8": (lambda: quant._dynamic_int8(linear), lambda m, x: m(x), 1),
         "oneDNN int8 (torch's other int8 engine)": (lambda: _onednn_int8(linear),
-                                                    lambda m: torch.ops.quantized.linear_dynamic(x, m, True), 1),
-        "int4 g128, bf16 activations": (lambda: quant.Int4Linear.quantize(linear, prefill=False), lambda m: m(x), 0.5),
+                                                    lambda m, x: torch.ops.quantized.linear_dynamic(x, m, True), 1),
+        "int4 g128, bf16 activations": (lambda: quant.Int4Linear.quantize(linear, prefill=False),
+                                        lambda m, x: m(x), 0.5),
         "int8 weight-only, bf16 activations": (lambda: (q.clone(), scale.bfloat16()),
-                                               lambda m: torch._weight_int8pack_mm(x.bfloat16(), *m), 1),
+                                               lambda m, x: torch._weight_int8pack_mm(x.bfloat16(), *m), 1),
         "int8 weight-only, fp32 activations": (lambda: (q.clone(), scale.clone()),
-                                               lambda m: torch._weight_int8pack_mm(x, *m), 1),
-        "fp32": (lambda: w.clone(), lambda m: x @ m.t(), 4),
+                                               lambda m, x: torch._weight_int8pack_mm(x, *m), 1),
+        "bf16": (lambda: linear.weight.clone(), lambda m, x: x.bfloat16() @ m.t(), 2),
+        "fp32": (lambda: w.clone(), lambda m, x: x @ m.t(), 4),
     }
+
+    def median_seconds(call, ring: list, x: torch.Tensor) -> float:
+        call(ring[0], x)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for m in ring:
+                call(m, x)
+            times.append((time.perf_counter() - start) / len(ring))
+        return statistics.median(times)
+
     rows = []
     with torch.inference_mode():
         for name, (make, call, bytes_per_weight) in candidates.items():
             ring = [make() for _ in range(copies)]
-            call(ring[0])
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for m in ring:
-                    call(m)
-                times.append((time.perf_counter() - start) / copies)
-            seconds = statistics.median(times)
+            seconds = median_seconds(call, ring, row)
+            prompt_seconds = median_seconds(call, ring[:1], prompt)  # compute-bound: the weights stay in cache
             rows.append({"kernel": name, "ms": seconds * 1e3,
-                         "weights_gb_s": out_features * in_features * bytes_per_weight / seconds / 1e9})
+                         "weights_gb_s": out_features * in_features * bytes_per_weight / seconds / 1e9,
+                         "prompt_gflop_s": 2 * prompt_rows * out_features * in_features / prompt_seconds / 1e9})
             del ring
     return rows
 
@@ -667,7 +682,7 @@ def main(argv=None, ahead: modelcache.Reader | None = None):
     parser.add_argument("--scenarios", default="", help=f"comma-separated subset of {', '.join(SCENARIOS)}: "
                         "conversation memory, each request against itself cold")
     parser.add_argument("--kernels", action="store_true",
-                        help="instead of the rows: one decode row through one 6144x2048 linear in each kernel")
+                        help="instead of the rows: one decode row and a prompt through one 6144x2048 linear in each kernel")
     parser.add_argument("--linears", action="store_true",
                         help="instead of the rows: the fidelity of each way to compute the text linears "
                         f"({'; '.join(LINEAR_WAYS)}), in one process, text only")
@@ -677,10 +692,11 @@ def main(argv=None, ahead: modelcache.Reader | None = None):
     if args.child:
         return child(args, ahead)
     if args.kernels:
-        print(f"{cpu.describe()}; torch {torch.__version__}; one decode row, 6144x2048 weights out of cache\n")
-        print("| kernel | ms | weights GB/s |\n|---|---|---|")
+        print(f"{cpu.describe()}; torch {torch.__version__}; 6144x2048 weights: one decode row out of cache, "
+              "a 300-row prompt\n")
+        print("| kernel | decode ms | weights GB/s | prompt GFLOP/s |\n|---|---|---|---|")
         for row in kernels():
-            print(f"| {row['kernel']} | {row['ms']:.3g} | {row['weights_gb_s']:.3g} |")
+            print(f"| {row['kernel']} | {row['ms']:.3g} | {row['weights_gb_s']:.3g} | {row['prompt_gflop_s']:.3g} |")
         return
     if not args.model and not args.random_weights:
         parser.error("give --model or --random-weights")
