@@ -127,8 +127,9 @@ _HELP = {
     "require_model": "fail instead of falling back to the tiny offline model",
     "quant": "how the weights are stored and computed: auto picks w8a14 (int8 weights, answers close to bf16's) on "
              "CPUs with AVX2 from Intel's Haswell (4th-generation Core) and AMD's Zen 2 on; int8 (faster there) on "
-             "older AMD ones (Zen+, Zen 1: Ryzen 1000 and 2000, the first EPYC) and Intel's N100 to i3-N305; fp32 "
-             "without AVX2 (ARM included); or name one: fp32, bf16, int8, int4, w8a16, w8a14",
+             "older AMD ones (Zen+, Zen 1: Ryzen 1000 and 2000, the first EPYC) and Intel's N100 to i3-N305; w8a16 "
+             "on Arm (64-bit: Graviton, Ampere, Apple); fp32 on x86 without AVX2; or name one: fp32, bf16, int8, "
+             "int4, w8a16, w8a14",
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",
@@ -239,6 +240,9 @@ def _value(name: str, kind: type, text: str):
         return text
     if name == "quant" and text not in QUANT_MODES:
         raise argparse.ArgumentTypeError(f"{text} is not one of {', '.join(QUANT_MODES)}")
+    if name == "quant" and text in modes.FBGEMM and cpu.arm():
+        raise argparse.ArgumentTypeError(f"{text} computes with fbgemm, which PyTorch builds for x86 CPUs only; on this "
+                                         "Arm CPU use auto (w8a16), w8a16, bf16 or fp32")
     if name == "model":
         return _model(text)
     if name in FOLDERS and os.path.isfile(os.path.expanduser(text)):

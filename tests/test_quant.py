@@ -22,8 +22,58 @@ from qvl.settings import GenParams
     (frozenset(), True, "fp32"),
 ])
 def test_auto_resolves_to_a_concrete_mode_for_the_cpu(flags, halves, mode):
-    assert modes.resolve("auto", flags, halves) == mode
-    assert modes.resolve("int8", flags, halves) == "int8"  # an explicit mode is never overridden
+    assert modes.resolve("auto", flags, halves, arm=False) == mode
+    assert modes.resolve("int8", flags, halves, arm=False) == "int8"  # an explicit mode is never overridden
+
+
+GRAVITON3 = """processor	: 0
+BogoMIPS	: 2100.00
+Features	: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop \
+sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng
+CPU implementer	: 0x41
+CPU architecture: 8
+CPU variant	: 0x1
+CPU part	: 0xd40
+CPU revision	: 1
+""".replace("\\\n", "")
+
+
+@pytest.mark.parametrize("text", [GRAVITON3, "processor\t: 0\nFeatures\t: fp asimd\n"])
+def test_an_arm_cpu_gets_torchs_int8_weight_only_kernel_never_fbgemms(text):
+    flags = modes.cpu.flags(text)
+    assert flags == ({"DOTPROD", "SVE", "I8MM", "BF16"} if text is GRAVITON3 else set())
+    assert modes.resolve("auto", flags, halves=False, arm=True) == "w8a16"
+    assert modes.native_bf16(flags) == (text is GRAVITON3)  # bf16 dot products: w8a16's activations are native
+    assert modes.cpu.arm("aarch64") and modes.cpu.arm("arm64") and not modes.cpu.arm("x86_64")
+
+
+def test_an_arm_cpu_is_named_by_its_core_where_cpuinfo_names_no_model():
+    assert modes.cpu.model_name(GRAVITON3) == "Neoverse V1"
+
+
+def test_on_arm_the_fbgemm_modes_are_refused_with_what_runs_there(monkeypatch, capsys):
+    monkeypatch.setattr(modes.cpu, "arm", lambda machine=None: True)
+    for mode in modes.FBGEMM:
+        with pytest.raises(SystemExit):
+            settings.parse(["--quant", mode], env={})
+        assert "fbgemm, which PyTorch builds for x86 CPUs only" in capsys.readouterr().err
+    assert settings.parse([], env={}).mode == "w8a16"
+    assert settings.parse(["--quant", "bf16"], env={}).mode == "bf16"
+
+
+def test_w8a16_loads_and_answers_where_torch_has_no_fbgemm(tiny_dir, monkeypatch):
+    """As on Arm, where fbgemm's packing raises this. int8 fails there, w8a16 answers."""
+    def no_fbgemm(*args):
+        raise RuntimeError("unknown architecure")
+
+    for op in ("linear_prepack", "linear_dynamic"):
+        monkeypatch.setattr(torch.ops.quantized, op, no_fbgemm)
+    flags = ["--model", str(tiny_dir), "--no-cache", "--no-model-cache", "--require-model", "--quant"]
+    with pytest.raises(RuntimeError, match="unknown architecure"):
+        Engine(settings.parse([*flags, "int8"], env={}))
+    engine = Engine(settings.parse([*flags, "w8a16"], env={}))
+    *pieces, stats = engine.chat([Turn("user", "hi")], GenParams(greedy=True, max_new_tokens=5, min_new_tokens=5))
+    assert engine.fallback is None and stats.new_tokens == 5
 
 
 def test_auto_is_resolved_once_per_start_and_the_layers_below_take_only_concrete_modes(tiny_dir, tmp_path,

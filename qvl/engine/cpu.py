@@ -7,8 +7,14 @@ import threading
 from functools import cache
 from pathlib import Path
 
-# cpuinfo flag -> the name users know it by, in the order the settings tab shows them.
-_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "avx512_bf16": "BF16", "amx_tile": "AMX"}
+# cpuinfo flag -> the name users know it by, in the order the settings tab shows them: x86's "flags", then Arm's
+# "Features" (int8 dot products, int8 matrix multiply, bf16 dot products, scalable vectors).
+_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "avx512_bf16": "BF16", "amx_tile": "AMX",
+          "asimddp": "DOTPROD", "i8mm": "I8MM", "bf16": "BF16", "sve": "SVE"}
+# Arm's (implementer, part) -> core, where /proc/cpuinfo names no model: the cloud's Arm servers (Graviton 2-4, Ampere
+# Altra, Google Axion, Azure Cobalt) are these Neoverse cores.
+_ARM_CORES = {(0x41, 0xD0C): "Neoverse N1", (0x41, 0xD40): "Neoverse V1", (0x41, 0xD49): "Neoverse N2",
+              (0x41, 0xD4F): "Neoverse V2", (0x41, 0xD8E): "Neoverse N3", (0x41, 0xD84): "Neoverse V3"}
 
 
 def available_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -93,12 +99,23 @@ def _field(name: str, text: str) -> str:
 
 def flags(text: str | None = None) -> frozenset[str]:
     """Instruction-set names from _FLAGS that this CPU has (empty where /proc/cpuinfo is missing)."""
-    have = set(_field("flags", _cpuinfo() if text is None else text).split())
+    text = _cpuinfo() if text is None else text
+    have = set((_field("flags", text) or _field("Features", text)).split())
     return frozenset(name for flag, name in _FLAGS.items() if flag in have)
 
 
+def arm(machine: str | None = None) -> bool:
+    """Whether this is a 64-bit Arm CPU, where PyTorch has no fbgemm (its int8 kernels are x86's)."""
+    return (platform.machine() if machine is None else machine).lower() in ("aarch64", "arm64")
+
+
 def model_name(text: str | None = None) -> str:
-    return _field("model name", _cpuinfo() if text is None else text) or platform.processor() or platform.machine()
+    text = _cpuinfo() if text is None else text
+    try:
+        part = _ARM_CORES.get((int(_field("CPU implementer", text), 16), int(_field("CPU part", text), 16)))
+    except ValueError:
+        part = None
+    return _field("model name", text) or part or platform.processor() or platform.machine()
 
 
 def _identity(text: str | None) -> tuple[str, int, int] | None:
@@ -133,6 +150,6 @@ def halves_256_bit(text: str | None = None) -> bool:
 
 def describe() -> str:
     """One line for logs and benchmarks, e.g. 'AMD EPYC (Zen 3), 2 cores, AVX2'."""
-    have = [name for name in _FLAGS.values() if name in flags()]
+    have = list(dict.fromkeys(name for name in _FLAGS.values() if name in flags()))
     name = f"{model_name()} ({core()})" if core() else model_name()
-    return f"{name}, {available_cores()} cores, {' '.join(have) or 'no AVX2'}"
+    return f"{name}, {available_cores()} cores, {' '.join(have) or ('NEON' if arm() else 'no AVX2')}"

@@ -9,6 +9,8 @@ from qvl.engine import cpu
 
 # Every concrete mode, in --help's order; `auto` stands for one of them (resolve).
 MODES = ("fp32", "bf16", "int8", "int4", "w8a16", "w8a14")
+# The modes whose linears are fbgemm's (int4's prefill and vision tower too), which PyTorch builds for x86 only.
+FBGEMM = ("int8", "int4", "w8a14")
 # int4's scale/zero group: 32 gains little accuracy on these weights and decodes 40% slower.
 GROUP = 128
 # w8a14 keeps the first text layers' weights in two int8 parts, since an error there runs through every layer after
@@ -16,11 +18,15 @@ GROUP = 128
 TWO_PART_LAYERS = 2
 
 
-def resolve(mode: str, flags: frozenset[str] | None = None, halves: bool | None = None) -> str:
-    """The concrete mode `auto` stands for on a CPU with these instruction sets and whose cores do (halves) or do not
-    split 256-bit operations in two (default: this CPU's); any other mode as it is."""
+def resolve(mode: str, flags: frozenset[str] | None = None, halves: bool | None = None,
+            arm: bool | None = None) -> str:
+    """The concrete mode `auto` stands for on a CPU with these instruction sets, whose cores do (halves) or do not
+    split 256-bit operations in two, that is or is not Arm (default: this CPU's); any other mode as it is."""
     if mode != "auto":
         return mode
+    # Arm has no fbgemm; torch's int8 weight-only kernel has a NEON path there, and reads a quarter of fp32's bytes.
+    if cpu.arm() if arm is None else arm:
+        return "w8a16"
     flags = cpu.flags() if flags is None else flags
     halves = cpu.halves_256_bit() if halves is None else halves
     # Where fbgemm's kernel is bound by reading the weights, it reads a second decode row nearly free.
