@@ -10,10 +10,12 @@ from qvl import settings
 from qvl.engine import modelcache, modes
 from qvl.engine.local import Engine
 from qvl.serve.ui import ASSETS
-from test_boxes import FENCED, answering
+from test_boxes import answering
+from test_documents import pdf, receipt
 from test_openai_api import serving
 from test_remote import ended
 from test_robustness import watch
+from test_video import clip
 
 sync_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = Path("/usr/bin/chromium")
@@ -72,6 +74,26 @@ def shoot(page, name: str, **options):
     page.screenshot(path=ARTIFACTS / name, **options)
     if os.environ.get("QVL_UPDATE_SCREENSHOTS") == "1":
         page.screenshot(path=ASSETS / name, **options)
+
+
+def shoot_chat(page, name: str):
+    """A screenshot of the chat alone, for the README's row of what the model can do: on a taller page, so that a
+    question with its picture and the answer with its own fit in it."""
+    page.set_viewport_size({"width": page.viewport_size["width"], "height": 1500})
+    page.wait_for_function("() => document.querySelector('#chatbot').getBoundingClientRect().height >= 0.64 * 1500")
+    shoot(page, name, clip=page.locator("#chatbot").bounding_box())
+
+
+def upload(page, path):
+    page.locator("#ask input[type=file]").set_input_files(str(path))
+    page.wait_for_selector('#ask img, #ask [data-testid="thumbnail"], #ask .thumbnail-item', state="attached")
+
+
+def answered(page) -> str:
+    """The last answer once it has its stats line."""
+    page.wait_for_function("() => [...document.querySelectorAll('#chatbot [data-testid=bot]')].pop()?.innerText"
+                           ".includes('total')")
+    return answer(page)
 
 
 def stop(page):
@@ -376,15 +398,71 @@ def test_a_fallback_after_the_page_is_up_raises_its_banner(browser, make_engine,
         page.wait_for_selector("#warming", state="hidden")
 
 
+# The shapes example's four red circles as Qwen3-VL outlines them, in thousandths of the picture's sides (the tiny
+# model cannot): what the README's screenshot draws.
+CIRCLES = "```json\n[\n" + ",\n".join(f'  {{"bbox_2d": {box}, "label": "red circle"}}' for box in (
+    [70, 115, 211, 302], [398, 73, 539, 260], [711, 219, 852, 406], [242, 594, 383, 781])) + "\n]\n```"
+
+
 def test_boxes_in_an_answer_are_drawn_under_it_open_full_size_and_download(browser, engine, tmp_path, monkeypatch):
     engine.ready.set()
-    answering(monkeypatch, engine, "Found them:\n" + FENCED)
+    answering(monkeypatch, engine, "Found them:\n" + CIRCLES)
     with serving(engine, tmp_path) as url:
-        page = open_page(browser, type("App", (), {"url": url}))
+        page = open_page(browser, type("App", (), {"url": url}), width=800)
         page.locator("#chatbot .example").filter(has_text="Outline every red circle").click()
         drawn = page.wait_for_selector('#chatbot [data-testid="bot"] img')  # under the answer's text
         assert "Found them:" in page.locator('#chatbot [data-testid="bot"]').first.inner_text()
+        page.wait_for_function("picture => picture.complete && picture.naturalWidth > 0", arg=drawn)
+        shoot_chat(page, "screenshot-boxes.png")
         page.locator('#chatbot a[download]').last.wait_for()  # Gradio's download button beside the picture
         assert page.locator('#chatbot a[download]').last.get_attribute("href").rsplit("/", 1)[1].startswith("boxes-")
         drawn.click()
         page.wait_for_selector("#qvl-full img")
+
+
+# Answers long enough to be seen streaming on the tiny model, short enough to end with their stats line.
+STREAMED = ("--min-new-tokens", "120", "--max-new-tokens", "120")
+
+
+def test_a_video_is_answered_from_the_page_and_its_stats_line_says_what_it_cost(browser, engine, tmp_path):
+    engine.ready.set()
+    with serving(engine, tmp_path, *STREAMED) as url:
+        page = open_page(browser, type("App", (), {"url": url}), width=800)
+        upload(page, clip(tmp_path / "squares.webm", size=(320, 180)))
+        send(page, "What happens in this clip?")
+        page.wait_for_selector('#chatbot [data-testid="user"] video')  # shown as a video, to play
+        wait_for_growing_answer(page)
+        # 3 s at 10 fps, sampled at 2 a second: 6 frames, 3 pairs of 320x192 (the budget's multiples of 32), 60
+        # tokens each.
+        assert "video: 6 frames, 180 tokens" in answered(page)
+        shoot_chat(page, "screenshot-video.png")
+
+
+def test_a_pdf_is_answered_from_the_page_as_the_images_of_its_pages(browser, engine, tmp_path):
+    engine.ready.set()
+    with serving(engine, tmp_path, *STREAMED) as url:
+        page = open_page(browser, type("App", (), {"url": url}))
+        # Three scanned receipts of 720x1200 px at 150 DPI: each rendered at 200 DPI (961x1600) and scaled to the
+        # default budget of 320 tokens (416x736, 299 tokens).
+        upload(page, pdf(tmp_path / "receipts.pdf", *[receipt()] * 3))
+        send(page, "What is the total on each page?")
+        wait_for_growing_answer(page)
+        assert "· 897 image tokens ·" in answered(page)
+
+
+def test_a_thinking_models_reasoning_is_a_collapsed_section_that_says_how_long_it_took(browser, thinking_dir,
+                                                                                     tmp_path):
+    engine = Engine(settings.parse(["--model", str(thinking_dir), "--quant", "fp32", "--no-cache",
+                                    "--cache-dir", str(tmp_path / "cache")], env={}))
+    engine.ready.set()
+    # The tiny model's reasoning for this question with this seed ends before the token cap: an answer follows it.
+    with serving(engine, tmp_path, "--max-new-tokens", "300", "--seed", "4") as url:
+        page = open_page(browser, type("App", (), {"url": url}), width=800)
+        upload(page, ASSETS / "chart.png")
+        send(page, "What does this chart show?")
+        answered(page)
+        thought = page.locator("#chatbot .thought-group")
+        assert thought.count() == 1 and "Thinking" in thought.inner_text()
+        assert thought.locator(".duration").inner_text().strip().endswith("s)")  # how long it took
+        assert thought.locator(".children").count() == 0  # collapsed: its title alone
+        shoot_chat(page, "screenshot-thinking.png")

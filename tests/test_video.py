@@ -18,14 +18,18 @@ from qvl.serve import answers, cache
 PARAMS = settings.GenParams(greedy=True, max_new_tokens=6, min_new_tokens=6)
 
 
-def clip(path, seconds=3, fps=10, size=(96, 64), colour=0, audio=False):
-    """A clip whose picture turns from red through green to blue (channel `colour` first), as an MP4."""
+def clip(path, seconds=3, fps=10, size=(96, 64), colour=0):
+    """A clip whose picture turns from red through green to blue (channel `colour` first) while a white square
+    crosses its top quarter, as an MP4 (MPEG-4 Part 2) or, named .webm, a WebM (VP8, which a browser plays)."""
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
+        stream = container.add_stream("libvpx" if str(path).endswith(".webm") else "mpeg4", rate=fps)
         stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
-        for i in range(seconds * fps):
+        side, count = size[1] // 4, seconds * fps
+        for i in range(count):
             frame = np.zeros((size[1], size[0], 3), np.uint8)
-            frame[..., (colour + i * 3 // (seconds * fps)) % 3] = 200
+            frame[..., (colour + i * 3 // count) % 3] = 200
+            left = i * (size[0] - side) // max(1, count - 1)
+            frame[:side, left:left + side] = 255
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
