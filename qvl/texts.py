@@ -76,8 +76,10 @@ TEXT = {
         "precision_remote": "answered by the model server at {detail}",
         # The user's input, refused with what to do about it.
         "not_found": "{name}: file not found; please upload it again.",
-        "empty_file": "{name} is empty; please upload a PNG, JPEG, WebP or GIF picture.",
-        "not_image": "{name} is not a picture this app can read; please upload a PNG, JPEG, WebP or GIF picture.",
+        "empty_file": "{name} is empty; please upload a picture (PNG, JPEG, WebP, GIF), a video (MP4, WebM, MOV) or a "
+                      "PDF.",
+        "not_image": "{name} is not a picture this app can read; please upload a picture (PNG, JPEG, WebP, GIF), a "
+                     "video (MP4, WebM, MOV) or a PDF.",
         "damaged": "{name} is damaged or truncated; please upload a complete image.",
         "too_many_pixels": "{name} has {size} pixels; images up to {limit} megapixels are accepted. "
                            "Please downscale it first.",
@@ -198,8 +200,8 @@ TEXT = {
                            "文本中数值特别大的通道单独计算，词嵌入表为 bf16",
         "precision_remote": "由 {detail} 的模型服务器回答",
         "not_found": "{name}：找不到文件，请重新上传。",
-        "empty_file": "{name} 是空文件，请上传 PNG、JPEG、WebP 或 GIF 图片。",
-        "not_image": "无法读取 {name}，它不是本应用能识别的图片，请上传 PNG、JPEG、WebP 或 GIF 图片。",
+        "empty_file": "{name} 是空文件，请上传图片（PNG、JPEG、WebP、GIF）、视频（MP4、WebM、MOV）或 PDF。",
+        "not_image": "无法读取 {name}，它不是本应用能识别的图片，请上传图片（PNG、JPEG、WebP、GIF）、视频（MP4、WebM、MOV）或 PDF。",
         "damaged": "{name} 已损坏或不完整，请上传完整的图片。",
         "too_many_pixels": "{name} 有 {size} 像素；最多接受 {limit} 百万像素的图片，请先缩小。",
         "far_too_many": "过多",

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from PIL import Image, ImageDraw
 
-from qvl import images
+from qvl import images, texts
 from qvl.conversation import Stats, Turn
 from qvl.engine import generate
 from qvl.images import MAX_SOURCE_PIXELS, InputError
@@ -109,6 +109,13 @@ def test_an_unreadable_upload_is_refused_by_name_before_compute(engine, monkeypa
     message = refusal(engine, monkeypatch, [Turn("user", "What is this?", (upload(tmp_path, name, make()),))])
     assert message.startswith(expected)
     assert "please upload" in message
+
+
+@pytest.mark.parametrize("key", ["not_image", "empty_file"])
+@pytest.mark.parametrize("lang", texts.LANGUAGES)
+def test_a_file_refused_for_its_type_is_told_every_kind_of_upload_the_app_takes(key, lang):
+    said = InputError(key, name="notes.txt").say(lang)
+    assert all(kind in said for kind in ("PNG", "GIF", "MP4", "WebM", "MOV", "PDF")), said
 
 
 @pytest.mark.parametrize("size", [(30000, 30000), (9000, 9000)])  # over Pillow's own limit; over only ours

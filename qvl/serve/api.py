@@ -84,7 +84,8 @@ def wire(conversation: gr.State, session: list, answerer, settings):
         """Forget this client's conversation: the next question starts afresh."""
         return []
 
-    # No file_types: Gradio's refusal of a PDF is English; qvl's own says what to upload in the user's language.
+    # No file_types: Gradio's refusal of a file's type is English; qvl's own says what it takes (pictures, videos,
+    # PDFs) in the user's language.
     # The example names this machine; a client elsewhere may copy it as it is, since it is read from disk.
     images = images_input(f"http://127.0.0.1:{settings.port}{FILE_ROUTE}{quote(str(ASSETS / 'chart.png'))}")
     question = gr.Textbox(visible=False, label="question")
