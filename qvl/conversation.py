@@ -34,6 +34,7 @@ class Stats:
     video_frames: int = 0  # frames sampled from the videos (their tokens are in image_tokens too)
     video_tokens: int = 0
     thinking_s: float = 0.0  # from the request to the end of a Thinking model's reasoning; 0 for other models
+    batch: int = 1  # the most answers decoded together in one of its steps (--batch); 1 when it ran alone
 
 
 class InputError(ValueError):

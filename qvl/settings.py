@@ -79,6 +79,8 @@ class Settings:
     backend_key: str | None = None
     backend_timeout: float = 300.0  # seconds without a byte from the backend; its own line can be long
     concurrency: int = 1  # generations at once: one for the local engine, more for a backend that batches
+    # Answers the local engine decodes together, one pass over the weights a step for all of them (qvl.engine.batch).
+    batch: int = 1
     mcp: bool = False  # Gradio's MCP server at /gradio_api/mcp/: the `ask` endpoint as a tool for agents
 
     @property
@@ -114,6 +116,8 @@ BOUNDS = {
     "max_pdf_pages": (1, None), "max_video_frames": (2, 768),  # 768: the most Qwen3-VL's video processor samples
     "port": (1, 65535), "queue_size": (1, None), "max_sessions": (1, None), "upload_hours": (0, None),
     "backend_timeout": (1, None), "concurrency": (1, None),
+    # 8: every quantized mode's decode kernel takes up to 8 rows (quant.DECODE_ROWS); more would leave them.
+    "batch": (1, 8),
 }
 AUTO_SIZES = ("cache_size", "kv_memory", "feature_cache_size")  # "auto" or a size; 0 keeps nothing
 FOLDERS = ("cache_dir", "model_cache_dir")
@@ -183,6 +187,8 @@ _HELP = {
     "backend_key": "API key the backend wants (sent as 'Authorization: Bearer KEY')",
     "backend_timeout": "seconds to wait for the backend's next byte before giving up on an answer",
     "concurrency": "answers generated at once; keep 1 for the model loaded here, raise it for a backend that batches",
+    "batch": "answers the model loaded here decodes at once, one pass over the weights for all of them (a shared "
+             "demo's visitors wait for a seat, not for every answer ahead of them); 1 answers one at a time",
     "allow_image_urls": "let the OpenAI API download images from public http(s) links (never from local or "
                         "private addresses); off, only data: URLs are taken",
     "mcp": "serve the ask endpoint as an MCP tool (Gradio's MCP server, streamable HTTP at /gradio_api/mcp/) for "

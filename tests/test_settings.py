@@ -109,6 +109,7 @@ BAD = {
     "--backend-timeout": (["--backend-timeout", "0"], {},
                           "argument --backend-timeout: 0 is not a number of at least 1"),
     "--concurrency": (["--concurrency", "0"], {}, "argument --concurrency: 0 is not a whole number of at least 1"),
+    "--batch": (["--batch", "9"], {}, "argument --batch: 9 is not a whole number from 1 to 8"),
     "--mcp": ([], {"QVL_MCP": "y"}, "QVL_MCP: y is not one of 1, true, yes, on, 0, false, no, off"),
 }
 # Flags with no bad value, and why.

@@ -77,31 +77,53 @@ def _forward(model, **inputs):
         quant.prompting.reset(prompting)
 
 
+class Answer:
+    """One answer being decoded: its prompt prefilled (at construction), its sampling, and the rule that ends it.
+
+    inputs: a whole prompt as the processor makes it (delta None: its positions and delta are computed here), or
+    the part of one that inputs["cache"] does not hold yet, with its position_ids and the prompt's delta (positions()).
+    logits: the next token's; decoder: the lean.Decoder that feeds tokens back.
+    """
+
+    def __init__(self, model, inputs: dict, params: GenParams, stop: threading.Event, delta: int | None = None):
+        if delta is None:
+            position_ids, delta = positions(model, inputs)
+            inputs = {**inputs, "position_ids": position_ids}
+        self.params, self.stop, self.eos, self.produced = params, stop, _eos_ids(model), 0
+        self.batch = 1  # the most answers it was decoded with in one step (qvl.engine.batch)
+        self.rng = torch.Generator().manual_seed(params.seed)
+        out = _forward(model, **inputs)
+        self.logits, self.decoder = out.logits[0, -1], lean.Decoder(model, out.cache, params.max_new_tokens, delta)
+
+    def pick(self) -> int:
+        """The next token, from logits."""
+        logits = self.logits
+        if self.produced < self.params.min_new_tokens and self.eos:
+            logits = logits.clone()
+            logits[self.eos] = float("-inf")
+        self.produced += 1
+        return _pick(logits, self.params, self.rng)
+
+    def over(self, token: int) -> bool:
+        """Whether the answer ends with token (just picked), which is then not fed back: an end of sequence, its stop,
+        or its length."""
+        return token in self.eos or self.stop.is_set() or self.produced == self.params.max_new_tokens
+
+
 def stream(model, inputs: dict, params: GenParams, stop: threading.Event, delta: int | None = None,
            keep_answer: bool = True) -> Iterator[int]:
     """Yield new token ids one by one. Setting stop, or closing the iterator, ends generation before the next step.
 
-    inputs: a whole prompt as the processor makes it (delta None: its positions and delta are computed here), or
-    the part of one that inputs["cache"] does not hold yet, with its position_ids and the prompt's delta (positions()).
-    The prompt's cache (inputs["cache"], or a new one) holds, once the iterator is done or closed, the prompt and
-    every token fed back (the prompt alone without keep_answer).
+    inputs and delta: as Answer takes them. The prompt's cache (inputs["cache"], or a new one) holds, once the
+    iterator is done or closed, the prompt and every token fed back (the prompt alone without keep_answer).
     """
-    if delta is None:
-        position_ids, delta = positions(model, inputs)
-        inputs = {**inputs, "position_ids": position_ids}
-    eos = _eos_ids(model)
-    rng = torch.Generator().manual_seed(params.seed)
-    out = _forward(model, **inputs)
-    logits, decoder = out.logits[0, -1], lean.Decoder(model, out.cache, params.max_new_tokens, delta)
+    answer = Answer(model, inputs, params, stop, delta)
     try:
-        for produced in range(params.max_new_tokens):
-            if produced < params.min_new_tokens and eos:
-                logits = logits.clone()
-                logits[eos] = float("-inf")
-            token = _pick(logits, params, rng)
+        while True:
+            token = answer.pick()
             yield token
-            if token in eos or stop.is_set() or produced + 1 == params.max_new_tokens:
+            if answer.over(token):
                 return
-            logits = decoder.step(token)
+            answer.logits = answer.decoder.step(token)
     finally:
-        decoder.close(keep_answer)
+        answer.decoder.close(keep_answer)

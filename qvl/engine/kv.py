@@ -8,8 +8,9 @@ A request is matched by content, never by session, to the entry with the longest
 
 An entry is never cut for a request that shares only part of it: the prefix is copied out, and the entry stays for
 its own conversation. An entry that the request contains whole is handed over instead of copied; the answer's
-entry will hold all of it. Memory is bounded in bytes, least recently used out; the cache being generated into is
-reserved for before generation starts, so the bound covers it too.
+entry will hold all of it. Memory is bounded in bytes, least recently used out; the caches being generated into
+(one per answer decoding, several with --batch) are reserved for before generation starts, so the bound covers them
+too.
 """
 import os
 import threading
@@ -87,6 +88,7 @@ class Store:
     def __init__(self, limit: int):
         self.limit = limit
         self.used = 0  # bytes held by entries
+        self.reserved = 0  # bytes of the caches being generated into
         self.hits = self.misses = self.reused_tokens = 0
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self._next = 0
@@ -120,9 +122,16 @@ class Store:
         return _prefix_copy(entry.cache, n), n
 
     def reserve(self, size: int) -> None:
-        """Make room for a cache of size bytes about to be generated, evicting the least recently used."""
+        """Make room for a cache of size bytes about to be generated, beside those already reserved, evicting the
+        least recently used; release() it once generated."""
         with self._lock:
-            self._evict(self.limit - size)
+            self.reserved += size
+            self._evict(self.limit - self.reserved)
+
+    def release(self, size: int) -> None:
+        """A reserved cache is generated: keep() it, or not, within what the others' reservations leave."""
+        with self._lock:
+            self.reserved -= size
 
     def keep(self, kept: tuple, cache: DynamicCache) -> None:
         """Keep cache, whose positions hold kept; entries it contains whole are dropped: it answers all they could."""
@@ -130,9 +139,9 @@ class Store:
         with self._lock:
             for key in [k for k, e in self._entries.items() if e.content == kept[:len(e.content)]]:
                 self.used -= self._entries.pop(key).nbytes
-            if size > self.limit:
+            if size > self.limit - self.reserved:
                 return
-            self._evict(self.limit - size)
+            self._evict(self.limit - self.reserved - size)
             self._entries[self._next] = Entry(kept, cache, size)
             self._next += 1
             self.used += size

@@ -68,19 +68,26 @@ class Attention(nn.Module):
         out, weights = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
 
-    def step(self, x, cos, sin, keys: torch.Tensor, values: torch.Tensor, n: int, qk_weight: torch.Tensor):
-        """One new position n: its keys and values written into the buffers, attending to positions 0..n.
+    def step(self, x, cos, sin, keys: list, values: list, n: list[int], qk_weight: torch.Tensor):
+        """One new position for each row of x (B x 1 x hidden): row b's keys and values written into its buffers
+        (keys[b], values[b]) at n[b], attending to its positions 0..n[b]; q/k/v and o for all rows in one linear each.
 
         q and k are normalised and rotated together (qk_weight: q_norm's weight for each query head, then k_norm's
         for each key head; sin: the step's sines with the first half negated, so that rotate_half's negate-and-concat
         is one roll): each elementwise op costs ~5 us whatever its size, and a layer has dozens.
         """
+        qkv, outs = self.qkv_proj(x), []
+        for b in range(len(n)):
+            outs.append(self._attend(qkv[b], cos[b], sin[b], keys[b], values[b], n[b], qk_weight))
+        out = outs[0] if len(outs) == 1 else torch.stack(outs)
+        return self.o_proj(out.view(len(n), 1, -1))
+
+    def _attend(self, qkv, cos, sin, keys: torch.Tensor, values: torch.Tensor, n: int, qk_weight: torch.Tensor):
+        """One row's attention output (kv heads x queries each x head_dim) from its q/k/v row, over its own cache."""
         if jit.ready.is_set() and keys.dtype == torch.float32:  # numpy, and so numba, has no bfloat16
-            q = jit.rope(self.qkv_proj(x), qk_weight, cos, sin, self.q_norm.variance_epsilon, self.heads, keys[0],
-                         values[0], n)
-            out = jit.attend(q.view(self.heads[1], -1, self.head_dim), keys[0], values[0], n + 1, self.scaling)
-            return self.o_proj(out.view(1, 1, -1))
-        qkv = self.qkv_proj(x).view(1, -1, 1, self.head_dim)
+            q = jit.rope(qkv, qk_weight, cos, sin, self.q_norm.variance_epsilon, self.heads, keys[0], values[0], n)
+            return jit.attend(q.view(self.heads[1], -1, self.head_dim), keys[0], values[0], n + 1, self.scaling)
+        qkv = qkv.view(1, -1, 1, self.head_dim)
         qk, v = qkv.split([self.heads[0] + self.heads[1], self.heads[2]], 1)
         qk = F.rms_norm(qk, (self.head_dim,), None, self.q_norm.variance_epsilon) * qk_weight
         q, k = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, -1), sin).split(self.heads[:2], 1)
@@ -90,8 +97,7 @@ class Attention(nn.Module):
         # The cache as the left operand, one pass over it ((positions x head_dim) @ (head_dim x queries)), beats
         # SDPA's kernel once the cache is out of CPU caches (docs/performance.md).
         weights = torch.matmul(keys[0, :, :n + 1], queries.transpose(1, 2)).mul_(self.scaling).softmax(1)
-        out = torch.matmul(weights.transpose(1, 2), values[0, :, :n + 1])
-        return self.o_proj(out.view(1, 1, -1))
+        return torch.matmul(weights.transpose(1, 2), values[0, :, :n + 1])
 
     def qk_weight(self) -> torch.Tensor:
         return torch.cat([self.q_norm.weight.expand(self.heads[0], 1, -1), self.k_norm.weight.expand(self.heads[1], 1, -1)])
@@ -179,23 +185,37 @@ class Decoder:
                 setattr(layer, name, buffer[:, :, :self.n])
                 buffers.append(buffer)
 
-    @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         """The next position's logits (one vocabulary-sized row) after feeding token."""
-        x = self.text.embed_tokens(torch.tensor([[token]]))
-        cos, sin = self.text.rotary_emb(x, torch.full((3, 1, 1), self.n + self.delta))
-        half = sin.shape[-1] // 2
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # Attention.step rotates with a roll
-        for layer, keys, values, qk_weight in zip(self.text.layers, self.keys, self.values, self.qk_weights):
-            x = x + layer.self_attn.step(_norm(layer.input_layernorm, x), cos, sin, keys, values, self.n, qk_weight)
-            x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
-        self.n += 1
-        return self.model.lm_head(_norm(self.text.norm, x))[0, -1]
+        return step([self], [token])[0]
 
-    def close(self, keep_decoded: bool = True):
-        """Hand the cache back with every position (or, keep_decoded=False, the prompt's alone)."""
-        n = self.n if keep_decoded else self.prompt
+    def close(self, keep_decoded: bool = True, fed: int | None = None):
+        """Hand the cache back with every position (or, keep_decoded=False, the prompt's alone; fed: only the first
+        fed decoded ones)."""
+        n = (self.n if fed is None else min(self.n, self.prompt + fed)) if keep_decoded else self.prompt
         for i, layer in enumerate(self.cache.layers):
             if self.keys[i] is not None:
                 layer.keys, self.keys[i] = self.keys[i][:, :, :n].clone(), None
                 layer.values, self.values[i] = self.values[i][:, :, :n].clone(), None
+
+
+@torch.inference_mode()
+def step(decoders: list[Decoder], tokens: list[int]) -> torch.Tensor:
+    """Each decoder's next position's logits (B x vocabulary) after feeding it its token: the linears take the B rows
+    together, one pass over the weights for all of them, and each row attends over its own cache at its own place.
+    The decoders share one model."""
+    first = decoders[0]
+    text = first.text
+    x = text.embed_tokens(torch.tensor(tokens).view(-1, 1))
+    places = torch.tensor([d.n + d.delta for d in decoders]).view(1, -1, 1).expand(3, -1, -1)
+    cos, sin = text.rotary_emb(x, places)
+    half = sin.shape[-1] // 2
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # Attention.step rotates with a roll
+    n = [d.n for d in decoders]
+    for i, (layer, qk_weight) in enumerate(zip(text.layers, first.qk_weights)):
+        keys, values = [d.keys[i] for d in decoders], [d.values[i] for d in decoders]
+        x = x + layer.self_attn.step(_norm(layer.input_layernorm, x), cos, sin, keys, values, n, qk_weight)
+        x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
+    for d in decoders:
+        d.n += 1
+    return first.model.lm_head(_norm(text.norm, x))[:, -1]

@@ -1,5 +1,6 @@
 """The inference engine: Qwen3-VL loaded once, answering conversations about images as a text stream."""
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -20,7 +21,7 @@ from transformers.video_utils import VideoMetadata
 
 from qvl import conversation, images, texts, video
 from qvl.conversation import THINK, THOUGHT, Stats, Turn
-from qvl.engine import cpu, features, generate, heap, jit, kv, modelcache, modes, quant, tiny
+from qvl.engine import batch, cpu, features, generate, heap, jit, kv, modelcache, modes, quant, tiny
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
 from qvl.sizes import parse_size
@@ -120,6 +121,8 @@ class Engine:
         self.set_threads(self.settings.threads)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # With --batch above 1, answers decode together in the scheduler's thread (qvl.engine.batch).
+        self.scheduler = batch.Scheduler(self._lock, settings.batch) if settings.batch > 1 else None
         self.loaded, self.ready, self.settled = threading.Event(), threading.Event(), threading.Event()
         self._exiting = threading.Event()
         self._warming = threading.Lock()  # held by warm_up, which close() waits for
@@ -210,9 +213,13 @@ class Engine:
         self._find(str(TINY_DIR))
         self._load()
 
+    def _busy(self) -> bool:
+        """Whether a request runs: it holds the model's lock, or answers are in the batch between its steps."""
+        return self._lock.locked() or (self.scheduler is not None and self.scheduler.busy())
+
     def _idle(self) -> bool:
         """Wait while a request runs (it has the cores, and its tensors the memory); False once the process exits."""
-        while self._lock.locked() and not self._exiting.is_set():
+        while self._busy() and not self._exiting.is_set():
             time.sleep(0.05)
         return not self._exiting.is_set()
 
@@ -277,6 +284,8 @@ class Engine:
             self._settler.join()
         with self._warming:
             pass
+        if self.scheduler is not None:
+            self.scheduler.close()
         return True
 
     def set_threads(self, n: int):
@@ -341,7 +350,7 @@ class Engine:
         me = threading.get_ident()
 
         def give_way(*_):
-            if threading.get_ident() == me and (self._lock.locked() or self._exiting.is_set()):
+            if threading.get_ident() == me and (self._busy() or self._exiting.is_set()):
                 raise _GaveWay
 
         with self._lock:  # never while a request's forward goes through the blocks' hooks
@@ -402,15 +411,28 @@ class Engine:
         if budget < 1:
             raise self._too_long(prompt_tokens, image_tokens, len([i for t in turns for i in t.images]))
         params = params if params.max_new_tokens <= budget else replace(params, max_new_tokens=budget)
-        with self._lock:
-            self._stop.clear()
-            positions, delta = generate.positions(self.model, inputs)
-            prefill, prompt, reused, cached = self._prefill(turns, inputs, positions, params)
+        # One at a time, the answer holds the model's lock throughout; in a batch, only while it prefills (the
+        # scheduler takes it for each step).
+        whole, prefilling = ((self._lock, contextlib.nullcontext()) if self.scheduler is None else
+                             (contextlib.nullcontext(), self.scheduler.prefilling()))
+        keep_answer, answer, reserved, tokens = self.mode not in quant.PROMPT_TWINS, None, 0, None
+        with whole:
             ids, sent, first, failed = [], "", None, False
             opening, thought = THINK + "\n" if self.thinking else "", None  # thought: when THOUGHT came
-            tokens = generate.stream(self.model, prefill, params, self._stop, delta,
-                                     keep_answer=self.mode not in quant.PROMPT_TWINS)
             try:
+                with prefilling:
+                    if self.scheduler is None:
+                        self._stop.clear()
+                    positions, delta = generate.positions(self.model, inputs)
+                    prefill, prompt, reused, cached = self._prefill(turns, inputs, positions, params)
+                    if self.kv is not None:  # kept conversations make room for the cache this answer grows
+                        reserved = kv.per_token_bytes(self.model) * (prompt_tokens + params.max_new_tokens)
+                        self.kv.reserve(reserved)
+                    if self.scheduler is None:
+                        tokens = generate.stream(self.model, prefill, params, self._stop, delta, keep_answer)
+                    else:
+                        answer = generate.Answer(self.model, prefill, params, self._stop, delta)
+                        tokens = self.scheduler.stream(answer, keep_answer)
                 for token in tokens:
                     first = first or time.perf_counter()
                     ids.append(token)
@@ -424,7 +446,10 @@ class Engine:
                 failed = True  # a cache a failed step may have half-updated is not kept
                 raise
             finally:
-                tokens.close()  # the stream hands its decoded positions to the cache here
+                if tokens is not None:
+                    tokens.close()  # the stream hands its decoded positions to the cache here
+                if self.kv is not None:
+                    self.kv.release(reserved)
                 if self.kv is not None and not failed:
                     # What the cache holds: the prompt and the answer tokens fed back (not the last one, nor one
                     # left unfed by a client that went away); stopped answers too, for a follow-up to reuse.
@@ -444,6 +469,7 @@ class Engine:
             reused_tokens=reused, cached_images=cached, thinking_s=(thought or end) - start if opening else 0.0,
             video_frames=sum(len(c.frames) for t in turns for c in t.images if isinstance(c, video.Clip)),
             video_tokens=int((inputs["input_ids"] == self.model.config.video_token_id).sum()),
+            batch=1 if answer is None else answer.batch,
         )
 
     def _too_long(self, needed: int, image_tokens: int, pictures: int) -> InputError:
@@ -468,8 +494,6 @@ class Engine:
         prompt = kv.content(ids[0].tolist(), (self.model.config.image_token_id, self.model.config.video_token_id),
                             pictures)
         cache, start = (None, 0) if self.kv is None else self.kv.take(prompt)
-        if self.kv is not None:
-            self.kv.reserve(kv.per_token_bytes(self.model) * (len(prompt) + params.max_new_tokens))
         # Images wholly after start: kv.Store.take never ends a prefix inside one.
         first = kv.images_in(prompt[:start])
         encoded, cached = self._image_features(inputs, pictures, first) if first < len(pictures) else (None, 0)

@@ -1,0 +1,131 @@
+"""Several answers decoded together: one thread steps every running answer at once (lean.step), so the weights are
+read once a step for all of them, as llama.cpp's server slots and vLLM's continuous batching do.
+
+Decode is bound by reading the weights: on two cores four rows through the 2B's linears cost about 1.3x one row
+(docs/performance.md, "Serving a crowd"). Each answer prefills in its own thread exactly as alone (the model's lock
+keeps a prefill and a step apart), then joins the batch at the next step; it picks its own tokens (its sampling,
+its seed's generator, its stop, eos and length) and leaves the batch the step it ends, when its seat goes to the
+next. Its tokens reach its reader through a queue, so a slow reader never holds the others back.
+"""
+import collections
+import contextlib
+import queue
+import threading
+from collections.abc import Iterator
+
+from qvl.engine import generate, lean
+
+
+class _Seat:
+    """An answer in the batch, with what the scheduler and its reader share."""
+
+    def __init__(self, answer: generate.Answer):
+        self.answer, self.token = answer, None  # token: the last one picked, fed back at the next step
+        self.tokens = queue.Queue()  # picked tokens, then None once the answer is over; an exception if a step failed
+        self.gone = threading.Event()  # its reader closed the stream: leave at the next step
+        self.left = threading.Event()  # the scheduler no longer touches it
+
+
+class Scheduler:
+    """Up to `seats` answers decoded together by one thread, each step under `lock` (the model's, which a prefill
+    holds too). sizes counts the steps taken at each batch size."""
+
+    def __init__(self, lock: threading.Lock, seats: int):
+        self.lock, self.seats = lock, seats
+        self.sizes = collections.Counter()
+        self._waiting: collections.deque[_Seat] = collections.deque()
+        self._running: list[_Seat] = []
+        self._changed = threading.Condition()
+        self._closing = False
+        self._wanting = 0  # threads waiting to prefill
+        self._thread = threading.Thread(target=self._run, name="batch", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def prefilling(self):
+        """The model's lock for a prefill, taken at the next step's boundary: the scheduler waits for those who want
+        it, since a lock released and retaken by the same thread every step would keep them waiting for many."""
+        with self._changed:
+            self._wanting += 1
+        with self.lock:
+            with self._changed:
+                self._wanting -= 1
+                self._changed.notify_all()
+            yield
+
+    def busy(self) -> bool:
+        """Whether any answer is waiting or running."""
+        with self._changed:
+            return bool(self._waiting or self._running)
+
+    def stream(self, answer: generate.Answer, keep_answer: bool = True) -> Iterator[int]:
+        """generate.stream's tokens for an answer already prefilled, decoded in the batch. Its cache holds, once the
+        iterator is done or closed, the prompt and every token fed back before the last one its reader took (the
+        prompt alone without keep_answer): steps the batch ran ahead of its reader are dropped, as a lone answer
+        never takes them."""
+        seat, taken = _Seat(answer), 0
+        with self._changed:
+            self._waiting.append(seat)
+            self._changed.notify()
+        try:
+            while (token := seat.tokens.get()) is not None:
+                if isinstance(token, BaseException):
+                    raise token
+                taken += 1
+                yield token
+        finally:
+            seat.gone.set()
+            seat.left.wait()
+            answer.decoder.close(keep_answer, max(0, taken - 1))
+
+    def close(self):
+        """End the thread once the answers in it are over (at exit: it must not be cut off inside torch)."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify()
+        self._thread.join()
+
+    def _run(self):
+        while True:
+            with self._changed:
+                while not (self._waiting or self._running or self._closing):
+                    self._changed.wait()
+                if self._closing and not (self._waiting or self._running):
+                    return
+                while self._waiting and len(self._running) < self.seats:
+                    self._running.append(self._waiting.popleft())
+                running = list(self._running)
+            feeding = []
+            for seat in running:
+                try:
+                    if not seat.gone.is_set():
+                        seat.token = seat.answer.pick()
+                        seat.tokens.put(seat.token)
+                        if not seat.answer.over(seat.token):
+                            feeding.append(seat)
+                            continue
+                        seat.tokens.put(None)
+                except Exception as e:  # its reader raises it; the others go on
+                    seat.tokens.put(e)
+                self._leave(seat)
+            if not feeding:
+                continue
+            with self._changed:
+                while self._wanting:
+                    self._changed.wait()
+            try:
+                with self.lock:
+                    logits = lean.step([seat.answer.decoder for seat in feeding], [seat.token for seat in feeding])
+            except Exception as e:  # every answer in the step fails, as a lone answer's failed step fails it
+                for seat in feeding:
+                    seat.tokens.put(e)
+                    self._leave(seat)
+                continue
+            self.sizes[len(feeding)] += 1
+            for seat, row in zip(feeding, logits):
+                seat.answer.logits, seat.answer.batch = row, max(seat.answer.batch, len(feeding))
+
+    def _leave(self, seat: _Seat):
+        with self._changed:
+            self._running.remove(seat)
+        seat.left.set()

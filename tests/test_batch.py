@@ -1,0 +1,226 @@
+"""Answers decoded together (--batch, qvl.engine.batch) are the answers each would get alone."""
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from qvl import settings
+from qvl.conversation import Stats, Turn
+from qvl.engine import generate
+from qvl.engine.local import Engine
+from test_engine import picture
+
+# fp32: a batch's matmuls take B rows where alone they take one, and may sum in another order.
+TOLERANCE = 1e-4
+PICK = generate._pick  # the engine's own, which each Picks wraps (never another Picks)
+
+
+def _engine(tiny_dir, tmp_path, batch: int, *flags: str) -> Engine:
+    """A tiny engine once its background work is done: the decode kernels stay as they are through a test."""
+    engine = Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache", "--no-model-cache",
+                                    "--cache-dir", str(tmp_path / f"cache{batch}"), "--batch", str(batch), *flags],
+                                   env={}))
+    engine.settled.wait()
+    return engine
+
+
+class Picks:
+    """generate._pick per answer, each answer named by its generator's seed: the logits it picked from and its
+    tokens; forced: {seed: tokens} to take instead of its own picks (teacher forcing). on(seed, count, hook) runs hook
+    in the picking thread once that answer has picked count tokens."""
+
+    def __init__(self, monkeypatch, forced: dict | None = None):
+        self.logits, self.tokens, self.hooks = defaultdict(list), defaultdict(list), {}
+        own = PICK
+
+        def pick(logits, params, rng):
+            seed = rng.initial_seed()
+            self.logits[seed].append(logits.float().clone())
+            token = own(logits, params, rng) if forced is None else forced[seed][len(self.tokens[seed])]
+            self.tokens[seed].append(token)
+            if hook := self.hooks.pop((seed, len(self.tokens[seed])), None):
+                hook()
+            return token
+
+        monkeypatch.setattr(generate, "_pick", pick)
+
+
+def _requests(greedy: bool = True) -> list[tuple[list[Turn], settings.GenParams]]:
+    """Four requests of different prompts (two with images of different sizes) and lengths, seeds 0-3."""
+    out = []
+    for i, length in enumerate((40, 12, 24, 8)):
+        pictures = (picture(160 + 64 * i, 120),) if i % 2 else ()
+        params = settings.GenParams(max_new_tokens=length, min_new_tokens=length, greedy=greedy, seed=i,
+                                    temperature=0.9)
+        out.append(([Turn("user", "Say something about this. " * (i + 1), pictures)], params))
+    return out
+
+
+def _together(engine: Engine, requests, picks: Picks, joining: dict) -> list[list]:
+    """Run the requests at once, each in its own thread, as the server's workers do. Those not in joining start
+    together, prefilled before the first step; joining[i] = (j, count): request i starts once request j has picked
+    count tokens, which waits until i has prefilled, so that it joins at the next step."""
+    scheduler, out = engine.scheduler, [None] * len(requests)
+    go = {i: threading.Event() for i in range(len(requests))}
+
+    def run(i):
+        go[i].wait()
+        out[i] = list(engine.chat(*requests[i]))
+
+    def let_in(i):  # in the scheduler's thread, between its picks and its step: until i has prefilled
+        go[i].set()
+        deadline = time.monotonic() + 30
+        while not scheduler._waiting and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    for i, (j, count) in joining.items():
+        picks.hooks[(requests[j][1].seed, count)] = lambda i=i: let_in(i)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    first = [i for i in range(len(requests)) if i not in joining]
+    with engine._lock:  # the first ones all wait to prefill before any step
+        for thread in threads:
+            thread.start()
+        for i in first:
+            go[i].set()
+        while scheduler._wanting < len(first):
+            time.sleep(0.001)
+    for thread in threads:
+        thread.join(60)
+    assert all(isinstance(o[-1], Stats) for o in out)
+    return out
+
+
+def _alone(engine: Engine, requests) -> list[list]:
+    return [list(engine.chat(*request)) for request in requests]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_answers_in_a_batch_equal_each_alone_token_for_token(tiny_dir, tmp_path, monkeypatch, greedy):
+    """Greedy and sampled (each answer with its own seed): requests of different lengths, with images, two joining
+    mid-way, all leaving at their own lengths."""
+    requests = _requests(greedy)
+    alone = Picks(monkeypatch)
+    texts = _alone(_engine(tiny_dir, tmp_path, 1, "--kv-memory", "0"), requests)
+    together = Picks(monkeypatch)
+    engine = _engine(tiny_dir, tmp_path, 4, "--kv-memory", "0")
+    batched = _together(engine, requests, together, {2: (0, 6), 3: (1, 12)})
+    for i, (_, params) in enumerate(requests):
+        seed = params.seed
+        assert together.tokens[seed] == alone.tokens[seed], f"request {i}"
+        assert batched[i] == texts[i][:-1] + [batched[i][-1]]  # the same text pieces
+        for a, b in zip(together.logits[seed], alone.logits[seed], strict=True):
+            assert (a.isinf() == b.isinf()).all()
+            assert _error(a, b).max() <= TOLERANCE * b[b.isfinite()].abs().max()
+    sizes = engine.scheduler.sizes
+    assert max(sizes) == 3 and sizes[2] > 0  # 0 and 1, then 2 joins, 1 leaves, 3 joins: never 4
+    assert [b[-1].batch for b in batched] == [3, 3, 3, 3]
+    assert not engine.scheduler.busy()
+    engine.close()
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| where both are finite: a forced length masks the end of sequence out (-inf), and a converted model's
+    generation config names one end-of-sequence id where the checkpoint's names two."""
+    both = a.isfinite() & b.isfinite()
+    return (a - b)[both].abs()
+
+
+def _distance(picks: Picks, reference: Picks, seeds) -> float:
+    """Mean absolute logit error against fp32's, over every answer's forced tokens."""
+    errors = [_error(a, b).mean() for seed in seeds for a, b in zip(picks.logits[seed], reference.logits[seed],
+                                                                       strict=True)]
+    return float(torch.stack(errors).mean())
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14"])
+def test_each_quantized_mode_is_no_farther_from_fp32_in_a_batch_than_alone(tiny_dir, tmp_path, monkeypatch, mode):
+    """Teacher-forced over fp32's answers: the same tokens fed, so the logits compare position by position."""
+    requests = _requests()[:3]
+    seeds = [params.seed for _, params in requests]
+    reference = Picks(monkeypatch)
+    _alone(_engine(tiny_dir, tmp_path, 1, "--kv-memory", "0"), requests)
+    answers = dict(reference.tokens)
+    alone = Picks(monkeypatch, answers)
+    _alone(_engine(tiny_dir, tmp_path, 1, "--kv-memory", "0", "--quant", mode), requests)
+    together = Picks(monkeypatch, answers)
+    engine = _engine(tiny_dir, tmp_path, 4, "--kv-memory", "0", "--quant", mode)
+    _together(engine, requests, together, {})
+    assert max(engine.scheduler.sizes) == 3
+    far, near = _distance(together, reference, seeds), _distance(alone, reference, seeds)
+    assert near > 0  # quantized: not fp32's numbers
+    # A batch's rows share an int8 linear's activation scale where alone each has its own (docs/performance.md).
+    assert far <= 1.25 * near, (far, near)
+    engine.close()
+
+
+def test_a_stopped_answer_leaves_within_a_step_and_keeps_what_its_reader_took(tiny_dir, tmp_path, monkeypatch):
+    """Its reader closes it after 5 pieces while the batch has run ahead of it; the other answer goes on unchanged,
+    and conversation memory keeps the stopped one's prompt and the tokens fed before the last one its reader took,
+    as alone."""
+    requests = _requests()[:2]
+    long = ([Turn("user", "Tell me a long story.")],
+            settings.GenParams(max_new_tokens=200, min_new_tokens=200, greedy=True, seed=0))
+    reference = _alone(_engine(tiny_dir, tmp_path, 1), requests[1:])
+    picks = Picks(monkeypatch)
+    engine = _engine(tiny_dir, tmp_path, 4)
+    prompt = engine._inputs(long[0], long[1])[0]["input_ids"][0].tolist()
+    other = []
+    stopped = engine.chat(*long)
+    with engine._lock:
+        first = threading.Thread(target=lambda: next(stopped))
+        thread = threading.Thread(target=lambda: other.extend(engine.chat(*requests[1])))
+        first.start()
+        thread.start()
+        while engine.scheduler._wanting < 2:
+            time.sleep(0.001)
+    first.join()
+    for _ in range(4):
+        next(stopped)
+    thread.join(60)  # the batch runs ahead of this slow reader meanwhile
+    start = time.perf_counter()
+    stopped.close()
+    assert time.perf_counter() - start < 5
+    assert other[:-1] == reference[0][:-1]
+    entry = next(e for e in engine.kv._entries.values() if e.content[:len(prompt)] == tuple(prompt))
+    fed = len(entry.content) - len(prompt)
+    assert entry.cache.get_seq_length() == len(entry.content)  # the positions hold what the content says
+    assert 4 <= fed < len(picks.tokens[0]) - 1 < 200  # fewer than the batch decoded for it; stopped early
+    assert list(entry.content[len(prompt):]) == picks.tokens[0][:fed]
+    assert not engine.scheduler.busy()
+    engine.close()
+
+
+def test_a_follow_up_reuses_its_prefix_while_others_run(tiny_dir, tmp_path, monkeypatch):
+    requests = _requests()
+    first = requests[1]
+    alone = _engine(tiny_dir, tmp_path, 1)
+    answer = "".join(p for p in alone.chat(*first) if isinstance(p, str))
+    follow = ([*first[0], Turn("assistant", answer), Turn("user", "And then?")],
+              settings.GenParams(max_new_tokens=16, min_new_tokens=16, greedy=True, seed=5))
+    expected = list(alone.chat(*follow))
+    assert expected[-1].reused_tokens > 0
+    engine = _engine(tiny_dir, tmp_path, 4)
+    list(engine.chat(*first))
+    together = _together(engine, [requests[0], follow, requests[2]], Picks(monkeypatch), {})
+    assert together[1][:-1] == expected[:-1]
+    assert together[1][-1].reused_tokens == expected[-1].reused_tokens
+    assert together[1][-1].batch == 3
+    engine.close()
+
+
+def test_kept_conversations_make_room_for_every_seat(tiny_dir, tmp_path, monkeypatch):
+    """--kv-memory covers the caches of all the answers decoding at once: each reserves its room until it ends."""
+    engine = _engine(tiny_dir, tmp_path, 4)
+    reserved, release = [], engine.kv.release
+
+    def spied(size):
+        reserved.append(engine.kv.reserved)
+        release(size)
+
+    engine.kv.release = spied
+    _together(engine, _requests()[:3], Picks(monkeypatch), {})
+    assert max(reserved) > min(reserved) > 0  # the first to end released while the others still held theirs
+    assert engine.kv.reserved == 0
+    engine.close()
