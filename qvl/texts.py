@@ -55,6 +55,7 @@ TEXT = {
         "from_cache": "answered from cache in {elapsed:.2f} s (first computed in {total:.1f} s)",
         "truncated": "hit the max-new-tokens limit",
         "reused": "{tokens} of {prompt} prompt tokens reused", "features_cached": "image features from cache ({count})",
+        "batch_part": "decoded in a batch of {count}",
         "memory_line": "Conversation memory: {state} · {entries} kept · {size:.0f} of {limit:.0f} MB · "
                        "{hits} hits · {reused} prompt tokens reused\n\nImage features: {features} · {feature_hits} hits",
         "features_line": "{memory} in memory, {disk} on disk", "memory_off": "off",
@@ -182,6 +183,7 @@ TEXT = {
         "from_cache": "{elapsed:.2f} 秒内从缓存回答（首次计算用时 {total:.1f} 秒）",
         "truncated": "已达最大生成长度",
         "reused": "复用了提示中 {prompt} 个 token 里的 {tokens} 个", "features_cached": "图片特征来自缓存（{count} 张）",
+        "batch_part": "与其他回答批量解码（每批 {count} 个）",
         "memory_line": "对话记忆：{state} · 保留 {entries} 段 · {size:.0f} / {limit:.0f} MB · "
                        "命中 {hits} · 已复用 {reused} 个提示 token\n\n图片特征：{features} · 命中 {feature_hits}",
         "features_line": "内存中 {memory} 个，磁盘上 {disk} 个", "memory_off": "关闭",

@@ -1,4 +1,5 @@
 """Answers decoded together (--batch, qvl.engine.batch) are the answers each would get alone."""
+import asyncio
 import threading
 import time
 from collections import defaultdict
@@ -6,10 +7,11 @@ from collections import defaultdict
 import pytest
 import torch
 
-from qvl import settings
+from qvl import settings, texts
 from qvl.conversation import Stats, Turn
 from qvl.engine import generate
 from qvl.engine.local import Engine
+from qvl.serve import answers
 from test_engine import picture
 
 # fp32: a batch's matmuls take B rows where alone they take one, and may sum in another order.
@@ -223,4 +225,30 @@ def test_kept_conversations_make_room_for_every_seat(tiny_dir, tmp_path, monkeyp
     _together(engine, _requests()[:3], Picks(monkeypatch), {})
     assert max(reserved) > min(reserved) > 0  # the first to end released while the others still held theirs
     assert engine.kv.reserved == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("lang", ["en", "zh-CN"])
+def test_the_line_seats_as_many_as_the_batch_and_the_stats_line_names_the_batch(tiny_dir, tmp_path, lang):
+    """--batch 2: two answers run at once and the third waits its turn; each stats line says the batch it ran in."""
+    engine = _engine(tiny_dir, tmp_path, 2)
+    answerer = answers.Answerer(engine, None, engine.settings)
+    assert answerer.line.running == 2
+    params = settings.GenParams(max_new_tokens=40, min_new_tokens=40, greedy=True)
+
+    async def scenario():
+        streams = [answerer.answer([Turn("user", f"Question {i}")], params, use_cache=False, fresh=False,
+                                   client=str(i)) for i in range(3)]
+        firsts = [await anext(stream) for stream in streams]
+        assert [first.ahead for first in firsts] == [0, 0, 1]
+        finals = []
+        for stream in streams:
+            async for update in stream:
+                last = update
+            finals.append(last)
+        return finals
+
+    finals = asyncio.run(scenario())
+    assert [final.stats["batch"] for final in finals][:2] == [2, 2]
+    assert texts.say(lang, "batch_part", count=2) in answers.figures(lang, finals[0])
     engine.close()

@@ -48,7 +48,8 @@ def size_text(n: int) -> str:
 class Answerer:
     def __init__(self, engine, cache, settings):
         self.engine, self.cache, self.gen = engine, cache, settings.gen
-        self.line = Line(settings.queue_size, settings.concurrency)
+        # As many run at once as the engine answers at once: a backend's --concurrency, or the local --batch.
+        self.line = Line(settings.queue_size, settings.concurrency if settings.backend else settings.batch)
         self.priority_users = set(settings.priority_names)
         self.upload_limit = parse_size(settings.max_file_size)
         self._kinds = {f.name: f.type for f in dataclasses.fields(settings.gen)}
@@ -187,6 +188,8 @@ def figures(lang: str, update: Update) -> str:
         parts.append(texts.say(lang, "thought_for", seconds=s["thinking_s"]))
     if s.get("video_frames"):
         parts.append(texts.say(lang, "video_part", frames=s["video_frames"], tokens=s["video_tokens"]))
+    if s.get("batch", 1) > 1:  # its tokens/s is its own share of steps it took with the others
+        parts.append(texts.say(lang, "batch_part", count=s["batch"]))
     if s.get("reused_tokens"):
         parts.append(texts.say(lang, "reused", tokens=s["reused_tokens"], prompt=s["prompt_tokens"]))
     if s.get("cached_images"):
