@@ -327,3 +327,21 @@ def test_outliers_flag_is_listed_and_accepted(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--model", "somewhere", "--outliers"])
     assert "--outliers plants outliers in the random weights" in capsys.readouterr().err
+
+
+def test_concurrent_serves_a_crowd_through_the_batch_and_one_at_a_time(tiny_dir, tmp_path):
+    out = tmp_path / "crowd.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows", "auto", "--concurrent", "1,3",
+         "--json", str(out)], capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    crowds = json.loads(out.read_text())["rows"][0]["crowds"]
+    # --batch 3: 1 and 3 together, then one a second; --batch 1: 1 and 3 together.
+    assert [(c["batch"], c["count"], c["stagger_s"]) for c in crowds] == [
+        (3, 1, 0.0), (3, 1, 1.0), (3, 3, 0.0), (3, 3, 1.0), (1, 1, 0.0), (1, 3, 0.0)]
+    for c in crowds:
+        assert c["aggregate_tok_s"] > 0 and 0 < c["ttft_p50_s"] <= c["ttft_p95_s"] < c["last_end_s"]
+        assert 0 < c["longest_pause_s"] < c["last_end_s"] and 1 <= c["largest_batch"] <= c["batch"]
+    assert crowds[3]["last_end_s"] >= 2.0  # the third arrived two seconds in
+    assert "| auto | 3 | 3 |" in result.stdout

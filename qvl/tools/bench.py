@@ -7,6 +7,7 @@
     python -m qvl.bench --model /path/to/Qwen3-VL-2B-Instruct
     python -m qvl.bench --kernels    # one linear's decode row and prompt in each kernel: what auto's choice rests on
     python -m qvl.bench --random-weights --linears    # fidelity of each way to compute the linears, one process
+    python -m qvl.bench --random-weights --rows auto --concurrent 1,4,8    # a crowd: answers decoded together
 
 Standard request: one 640x480 photo-like image (300 image tokens), a one-sentence question, 64 new tokens forced
 (greedy, min_new_tokens = max_new_tokens = 64), one warm-up, then --runs timed runs (medians reported). Fidelity is
@@ -17,6 +18,10 @@ measured when real weights are given with --model. --outliers plants the activat
 (a few hidden channels 32-64x the rest in every text linear's input, which a per-tensor activation scale punishes)
 into the random weights, so that fidelity shows what quantization costs where such outliers exist (plant_outliers
 says how). Each timed run starts with nothing kept (Engine.forget), as a first visit does.
+
+--concurrent serves a crowd: at each level that many standard requests arrive at once, then one a second, through
+one engine with --batch set to the largest level (at most 8), and again through --batch 1 for the levels up to 4
+arriving at once (what answering one at a time costs them), each request prefilled in full (nothing kept).
 
 Scenarios measure conversation memory: each request's time to first token after its set-up (the standard request
 and its answer), then the same request cold, with everything kept forgotten, in the same process.
@@ -544,6 +549,90 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
     return rows
 
 
+def crowd(engine, count: int, stagger_s: float = 0.0) -> dict:
+    """count standard requests arriving together (or stagger_s apart), each in a thread of its own as the server's
+    workers run them: aggregate decode tok/s (every answer's tokens after its first, over the time from the first
+    first token to the last end), the time until the last answer ends, p50/p95 time to first token and the longest
+    pause between two pieces of one running stream."""
+    params = settings.GenParams(greedy=True, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, max_image_tokens=320)
+    turn, results = Turn("user", QUESTION, (photo(),)), [None] * count
+    begin = time.perf_counter()
+
+    def ask(i):
+        time.sleep(max(0.0, begin + i * stagger_s - time.perf_counter()))
+        arrived, times, stats = time.perf_counter(), [], None
+        for piece in engine.chat([turn], params):
+            if isinstance(piece, str):
+                times.append(time.perf_counter())
+            else:
+                stats = piece
+        results[i] = arrived, times, stats
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    ttfts = sorted(times[0] - arrived for arrived, times, _ in results)
+    decoding = max(times[-1] for _, times, _ in results) - min(times[0] for _, times, _ in results)
+    return {"count": count, "stagger_s": stagger_s, "batch": engine.settings.batch,
+            "aggregate_tok_s": sum(stats.new_tokens - 1 for _, _, stats in results) / decoding,
+            "last_end_s": max(times[-1] for _, times, _ in results) - begin,
+            "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": ttfts[min(count - 1, round(0.95 * (count - 1)))],
+            "longest_pause_s": max(b - a for _, times, _ in results for a, b in zip(times, times[1:])),
+            "answer_tok_s": statistics.median(stats.decode_tok_s for _, _, stats in results),
+            "largest_batch": max(stats.batch for _, _, stats in results)}
+
+
+def crowds(make_engine, levels: list[int]) -> list[dict]:
+    """crowd() at each level, together and one a second, with --batch the largest level (at most 8); then with
+    --batch 1 the levels up to 4 arriving together. make_engine(batch) gives a warm engine."""
+    rows, seats = [], min(8, max(levels))
+    for batch in (seats, 1) if seats > 1 else (1,):
+        engine = make_engine(batch)
+        for count in levels:
+            for stagger in (0.0, 1.0) if batch == seats else (0.0,):
+                if batch == seats or count <= 4:
+                    rows.append(crowd(engine, count, stagger))
+                    print(f"crowd: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+        engine.close()
+    return rows
+
+
+def crowd_child(args, ahead: modelcache.Reader | None):
+    """The --concurrent measurement of one row, in its process: the engine of each batch size reads the model the
+    first one converted, from the row's model cache."""
+    features = tempfile.mkdtemp()
+    os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(settings.Settings().cache_dir, "numba"))
+
+    def make_engine(batch: int):
+        nonlocal ahead
+        argv = ["--model", args.model, "--quant", args.quant, "--no-cache", "--require-model", "--cache-dir", features,
+                "--model-cache-dir", args.model_cache_dir, "--kv-memory", "0", "--feature-cache-size", "0",
+                "--batch", str(batch)]
+        engine = Engine(settings.parse(argv, env={k: v for k, v in os.environ.items() if k in ("QVL_THREADS", "QVL_JIT")}),
+                        ahead)
+        ahead = None  # read by the first engine
+        sys.setswitchinterval(cpu.SERVING_SWITCH_S)
+        engine.settled.wait()
+        crowd(engine, 1)  # first-call costs are not the crowd's
+        return engine
+
+    rows = crowds(make_engine, [int(level) for level in args.concurrent.split(",")])
+    Path(args.out).write_text(json.dumps({"name": args.child, "crowds": rows}))
+    shutil.rmtree(features, ignore_errors=True)
+
+
+CROWD_COLUMNS = ["batch", "count", "stagger_s", "aggregate_tok_s", "last_end_s", "ttft_p50_s", "ttft_p95_s",
+                 "longest_pause_s", "answer_tok_s", "largest_batch"]
+
+
+def crowd_table(rows: list[dict]) -> str:
+    lines = ["| row | " + " | ".join(CROWD_COLUMNS) + " |", "|---|" + "---|" * len(CROWD_COLUMNS)]
+    return "\n".join(lines + [f"| {row['name']} | " + " | ".join(f"{crowd[k]:.3g}" for k in CROWD_COLUMNS) + " |"
+                              for row in rows for crowd in row["crowds"]])
+
+
 def process_age() -> float:
     """Seconds since this process started, its imports included (Linux: the start time in /proc/self/stat)."""
     ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
@@ -624,14 +713,14 @@ bench.main(sys.argv[1:], ahead)
 """
 
 
-def run_row(name: str, model: str, runs: int, reference: Path, memory: str) -> dict:
+def run_row(name: str, model: str, runs: int, reference: Path, memory: str, concurrent: str = "") -> dict:
     mode, env, prefix = ROWS[name]
     # Each row starts cold, with a model cache of its own, except that NAME-warm shares NAME's.
     models = reference.parent / "models" / name.removesuffix("-warm")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [*prefix, sys.executable, "-c", CHILD, "--child", name, "--quant", mode, "--model", model,
                    "--runs", str(runs), "--reference", str(reference), "--out", out.name, "--scenarios", memory,
-                   "--model-cache-dir", str(models)]
+                   "--model-cache-dir", str(models), "--concurrent", concurrent]
         subprocess.run(command, check=True, env={**os.environ, **env})
         return json.loads(Path(out.name).read_text())
 
@@ -686,11 +775,15 @@ def main(argv=None, ahead: modelcache.Reader | None = None):
     parser.add_argument("--linears", action="store_true",
                         help="instead of the rows: the fidelity of each way to compute the text linears "
                         f"({'; '.join(LINEAR_WAYS)}), in one process, text only")
+    parser.add_argument("--concurrent", default="", help="instead of the rows' figures: comma-separated crowd sizes "
+                        "(1,4,8), each that many standard requests at once and one a second, decoded together")
     for hidden in ("--child", "--quant", "--reference", "--out", "--model-cache-dir"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        return child(args, ahead)
+        return (crowd_child if args.concurrent else child)(args, ahead)
+    if args.concurrent and not all(level.isdigit() and int(level) > 0 for level in args.concurrent.split(",")):
+        parser.error(f"--concurrent takes crowd sizes such as 1,4,8, not {args.concurrent}")
     if args.kernels:
         print(f"{cpu.describe()}; torch {torch.__version__}; 6144x2048 weights: one decode row out of cache, "
               "a 300-row prompt\n")
@@ -732,9 +825,13 @@ def main(argv=None, ahead: modelcache.Reader | None = None):
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             try:
-                row = run_row(name, model, args.runs, Path(tmp) / "fp32-reference.pt", args.scenarios)
+                row = run_row(name, model, args.runs, Path(tmp) / "fp32-reference.pt", args.scenarios,
+                              args.concurrent)
             except subprocess.CalledProcessError as e:  # one failed configuration must not lose the others
                 print(f"{name}: failed with exit code {e.returncode}", file=sys.stderr, flush=True)
+                continue
+            if args.concurrent:
+                rows.append(row)
                 continue
             row["bound_tok_s"] = machine["bandwidth_gb_s"] / row["decode_gb"]
             row["of_bound"] = row["decode_tok_s"] / row["bound_tok_s"]
@@ -742,6 +839,12 @@ def main(argv=None, ahead: modelcache.Reader | None = None):
             print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    if args.concurrent:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+        print(f"{machine['cpu']}; torch {machine['torch']}; {machine['model']}; {NEW_TOKENS} tokens an answer\n")
+        print(crowd_table(rows))
+        return
     print(f"{machine['cpu']}; torch {machine['torch']}; {machine['bandwidth_gb_s']:.1f} GB/s read; "
           f"{machine['model']}; median of {args.runs} runs after 1 warm-up\n")
     print(table(rows))
