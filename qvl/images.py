@@ -90,6 +90,18 @@ def opened(turns: list, params) -> list:
 def _uploaded(source, params) -> list:
     if isinstance(source, (Picture, video.Clip, Image.Image)):
         return [open(source)]
+    kind, head = sniff(source)
+    name = os.path.basename(source) if isinstance(source, (str, os.PathLike)) else "upload"
+    if kind == "pdf":
+        return [Picture(load(page)) for page in documents.pages(source, name, params.max_pdf_pages)]
+    if kind == "video":
+        return [video.load(source, head, name, params.max_video_frames)]
+    return [open(source)]
+
+
+def sniff(source) -> tuple[str, bytes]:
+    """What an upload (a path or bytes) is, by its name and first bytes: "pdf", "video" (an animated GIF too) or
+    "image" (whatever else, which load() then decodes or refuses); and those bytes. ImageError for a file gone."""
     name = os.path.basename(source) if isinstance(source, (str, os.PathLike)) else "upload"
     try:
         with builtins.open(source, "rb") if isinstance(source, (str, os.PathLike)) else io.BytesIO(source) as file:
@@ -97,10 +109,8 @@ def _uploaded(source, params) -> list:
     except FileNotFoundError:
         raise ImageError("not_found", name=name) from None
     if documents.is_pdf(source, head):
-        return [Picture(load(page)) for page in documents.pages(source, name, params.max_pdf_pages)]
-    if video.is_video(source, head):
-        return [video.load(source, head, name, params.max_video_frames)]
-    return [open(source)]
+        return "pdf", head
+    return ("video" if video.is_video(source, head) else "image"), head
 
 
 def _too_large(name: str, size) -> ImageError:

@@ -12,7 +12,9 @@ from qvl.conversation import Stats
 from qvl.serve import answers, boxes, cache, ui
 from qvl.serve.boxes import PALETTE, Mark
 from qvl.serve.ui import ASSETS
+from test_documents import pdf
 from test_openai_api import serving
+from test_video import clip
 
 SHAPES = str(ASSETS / "shapes.png")  # 640x480, red circles among blue squares
 CIRCLES = [{"bbox_2d": [100, 125, 250, 375], "label": "red circle"},  # 64, 60, 160, 180 in its pixels
@@ -142,6 +144,18 @@ def test_the_marks_go_on_the_last_image_of_the_latest_turn_with_images(tmp_path)
     assert boxes.grounded(conversation[-1:], FENCED) == (None, [])  # no image to draw on
     second.unlink()  # swept after --upload-hours
     assert boxes.grounded(conversation, FENCED) == (None, [])
+
+
+def test_a_pdfs_marks_go_on_its_last_page_and_a_videos_are_left_as_text(tmp_path):
+    red, blue = (Image.new("RGB", (200, 280), colour) for colour in ("red", "blue"))
+    two = pdf(tmp_path / "two.pdf", red, blue)
+    image, marks = boxes.grounded([{"role": "user", "text": "Where?", "images": [two]}], FENCED)
+    # The last page, as the model saw it: rendered at 200 DPI (the PDF holds it as a JPEG: blue, give or take).
+    r, g, b = image.getpixel((133, 187))
+    assert image.size == (267, 374) and b > 240 and r + g < 10 and len(marks) == 2
+    red.save(tmp_path / "moving.gif", save_all=True, append_images=[blue], duration=500)
+    for video in (clip(tmp_path / "clip.mp4"), str(tmp_path / "moving.gif")):  # marks on frames, named by time
+        assert boxes.grounded([{"role": "user", "text": "Where?", "images": [video]}], FENCED) == (None, [])
 
 
 # In the app: the chat shows them under the answer, the model never sees them, `ask` returns them.

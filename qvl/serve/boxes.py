@@ -4,7 +4,7 @@ Asked to locate, detect or point at things, Qwen3-VL answers with JSON such as [
 "label": "cat"}] or {"point_2d": [x, y], "label": "cat"}, often in a ```json fence, sometimes cut off by the token
 limit. Its numbers are thousandths of the image's width and height (0-1000; Qwen2.5-VL wrote pixels), and since some
 of Qwen's docs count 0-999, 999 is the far edge as well as 1000. The image they refer to is the conversation's last
-(grounded()). PIL only: the page and the API use it without torch.
+(grounded()). PIL (and PDFium for a PDF's page): the page and the API use it without torch.
 """
 import json
 import math
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw, ImageFont
 
-from qvl import images
+from qvl import documents, images
 from qvl.conversation import InputError
 
 SIZES = {"bbox_2d": 4, "point_2d": 2}  # each kind of mark, by the key the model writes, and how many numbers it has
@@ -99,15 +99,21 @@ def pixels(mark: Mark, size: tuple[int, int]) -> tuple[int, ...]:
 
 def grounded(conversation: list[dict], text: str) -> tuple[Image.Image | None, list[Mark]]:
     """An answer's marks and the image they refer to, decoded as the model saw it: the last image of the latest user
-    turn that has any (a failed turn never reached the model). (None, []) when the answer has no marks, the
-    conversation no image, or the image is gone since (--upload-hours)."""
+    turn that has any (a failed turn never reached the model), which for a PDF is its last page. (None, []) when the
+    answer has no marks, the conversation no image, the image is gone since (--upload-hours), or the last upload is
+    a video (an animated GIF too), whose marks are on frames that the answer names by time."""
     marks = parse(text)
     source = next((e["images"][-1] for e in reversed(conversation)
                    if e["role"] == "user" and e["images"] and not e.get("failed")), None)
     if not marks or source is None:
         return None, []
     try:
-        return images.load(source), marks
+        kind = images.sniff(source)[0]
+        if kind == "video":
+            return None, []
+        # The PDF was within --max-pdf-pages when it was asked about, or its turn failed.
+        last = documents.pages(source, "", math.inf)[-1] if kind == "pdf" else source
+        return images.load(last), marks
     except InputError:
         return None, []
 
