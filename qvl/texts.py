@@ -134,7 +134,7 @@ TEXT = {
         "download_json": "Download as JSON", "upload_conversation": "Upload a conversation (JSON)",
         "kept_here": "Conversations are kept in this browser only, never on the server: the newest 50, 2 MB in all, "
                      "their pictures downscaled to 1024 px (1 MB of them per conversation).",
-        "not_kept": "[{count} image(s) not kept: a kept conversation holds {limit} of images]",
+        "not_kept": "[{count} file(s) not kept: a kept conversation holds pictures only, {limit} of them]",
         "untitled": "Pictures without a question",
         "not_a_conversation": "This file is not a conversation downloaded from this app as JSON, so nothing was "
                               "changed.",
@@ -243,7 +243,7 @@ TEXT = {
         "download_json": "下载为 JSON", "upload_conversation": "上传对话（JSON）",
         "kept_here": "对话只保存在此浏览器中，从不保存在服务器上：最多保留最近 50 段，共 2 MB，"
                      "图片缩小到 1024 像素（每段对话的图片最多 1 MB）。",
-        "not_kept": "[{count} 张图片未保存：每段保存的对话最多保存 {limit} 图片]",
+        "not_kept": "[{count} 个文件未保存：每段保存的对话只保存图片，最多 {limit}]",
         "untitled": "没有提问的图片",
         "not_a_conversation": "此文件不是从本应用下载的 JSON 对话，未做任何更改。",
         "md_user": "你", "md_assistant": "助手",

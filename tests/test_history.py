@@ -11,8 +11,12 @@ from PIL import Image
 from qvl import images, texts
 from qvl.conversation import InputError
 from qvl.serve import answers, chat_tab, history
+from qvl.serve.boxes import PALETTE
+from test_boxes import FENCED, SHAPES
+from test_documents import pdf
 from test_engine import picture
 from test_kv import ask
+from test_video import clip
 
 
 def noise(path, side: int) -> str:
@@ -42,6 +46,33 @@ def test_a_kept_conversation_comes_back_with_its_texts_roles_and_pictures(chat, 
     assert history.record(restored, "c1", "en") == kept  # kept again as it is, not compressed once more
 
 
+def test_a_thinking_models_reasoning_is_kept_and_reopens_as_its_collapsed_section(chat, tmp_path):
+    thought = {"title": "Thinking", "status": "done", "duration": 2.5}
+    chat[1].update(reasoning="Three bars; the first is tallest.", thought=thought)
+    kept = history.from_json(history.to_json(history.record(chat, "c1", "en")), "c1")  # downloaded and uploaded too
+    reasoning, answer = chat_tab.render(chat_tab.reopened(kept, str(tmp_path / "uploads"), "en"))[1:3]
+    assert reasoning == {"role": "assistant", "content": "Three bars; the first is tallest.", "metadata": thought}
+    assert answer["content"].startswith("A red card")
+    markdown = zipfile.ZipFile(io.BytesIO(history.to_zip(kept, "en"))).read("conversation.md").decode()
+    assert ("**Assistant**\n\n<details><summary>Thinking</summary>\n\nThree bars; the first is tallest.\n\n</details>"
+            "\n\nA red card") in markdown
+
+
+def test_an_answers_boxes_are_drawn_again_when_it_reopens_if_their_picture_was_kept(tmp_path):
+    answer = {"role": "assistant", "text": FENCED, "images": [], "drawn": {"path": "gone.png", "alt_text": "boxes"}}
+    large = [noise(tmp_path / f"noise{i}.png", 900) for i in range(2)]  # the second over the bound: left out
+    for pictures, drawn in (([SHAPES], True), (large, False)):
+        chat = [{"role": "user", "text": "Outline the red circles.", "images": pictures}, answer]
+        kept = history.record(chat, "c", "en")
+        assert kept["turns"][1].get("drawn", False) is drawn and "gone.png" not in json.dumps(kept)
+        shown = chat_tab.reopened(kept, str(tmp_path / "uploads"), "en")[1].get("drawn")
+        if drawn:  # on the kept picture (the shapes' 640x480 as they were), in a file of its own
+            redrawn = Image.open(shown["path"])
+            assert redrawn.size == (640, 480) and redrawn.getpixel((64, 60)) == PALETTE[0]
+        else:
+            assert "drawn" not in kept["turns"][1] and shown is None
+
+
 def test_a_downloaded_json_uploaded_again_is_the_same_conversation(chat):
     kept = history.record(chat, "c1", "en")
     again = history.from_json(history.to_json(kept), "c2")
@@ -66,7 +97,9 @@ def with_turn(**fields) -> bytes:
     changed(turns="Hi"), changed(title=None), with_turn(role="system"), with_turn(text=None), with_turn(images="x"),
     with_turn(images=["https://example.com/a.png"]), with_turn(images=["data:image/png;base64,@@@"]),
     with_turn(images=["data:image/png;base64,"]), with_turn(images=["data:image/png;base64,abc"]),
-    with_turn(failed="yes"), with_turn(note=3), with_turn(secret="x"),
+    with_turn(failed="yes"), with_turn(note=3), with_turn(secret="x"), with_turn(reasoning=["x"]),
+    with_turn(drawn="yes"), with_turn(thought="Thinking"), with_turn(thought={"title": 3}),
+    with_turn(thought={"status": "lost"}), with_turn(thought={"duration": "1 s"}), with_turn(thought={"log": "x"}),
     with_turn(images=["data:image/jpeg;base64," + "A" * (history.IMAGES_BYTES + 4)]),
     changed(padding="x" * history.KEPT_BYTES)], ids=lambda data: data[:40].decode(errors="replace"))
 def test_anything_but_a_downloaded_conversation_is_refused_in_both_languages(data):
@@ -83,9 +116,20 @@ def test_a_conversation_keeps_its_pictures_up_to_its_bound_and_says_which_it_lef
     kept = history.record(chat, "c", "en")
     assert [len(turn["images"]) for turn in kept["turns"]] == [1, 0]
     assert sum(len(url) for turn in kept["turns"] for url in turn["images"]) <= history.IMAGES_BYTES
-    assert kept["turns"][0]["text"] == "Compare these. [1 image(s) not kept: a kept conversation holds 1 MB of images]"
-    assert kept["turns"][1]["text"] == "[2 image(s) not kept: a kept conversation holds 1 MB of images]"
-    assert history.record(chat, "c", "zh-CN")["turns"][1]["text"] == "[2 张图片未保存：每段保存的对话最多保存 1 MB 图片]"
+    said = "file(s) not kept: a kept conversation holds pictures only, 1 MB of them]"
+    assert [turn["text"] for turn in kept["turns"]] == [f"Compare these. [1 {said}", f"[2 {said}"]
+    zh = history.record(chat, "c", "zh-CN")["turns"][1]["text"]
+    assert zh == "[2 个文件未保存：每段保存的对话只保存图片，最多 1 MB]"
+
+
+def test_a_pdf_or_a_video_is_not_kept_and_its_question_says_so(tmp_path):
+    still = noise(tmp_path / "still.png", 64)
+    moving = [Image.new("RGB", (64, 64), colour) for colour in ("red", "blue")]
+    moving[0].save(tmp_path / "moving.gif", save_all=True, append_images=moving[1:], duration=500)
+    uploads = [pdf(tmp_path / "pages.pdf", *moving), clip(tmp_path / "clip.mp4"), str(tmp_path / "moving.gif")]
+    kept = history.record([{"role": "user", "text": "Compare.", "images": [*uploads, still]}], "c", "en")
+    # The animated GIF is a video to the model: not kept as its first frame, which would reopen as a still.
+    assert len(kept["turns"][0]["images"]) == 1 and "[3 file(s) not kept" in kept["turns"][0]["text"]
 
 
 def test_the_browser_keeps_the_newest_conversations_within_the_bounds():

@@ -58,6 +58,15 @@ def drawn(conversation: list[dict], text: str, lang: str, folder: str) -> dict |
     return {"path": path, "alt_text": texts.say(lang, "drawn")}
 
 
+def reopened(kept: dict, folder: str, lang: str) -> list[dict]:
+    """A kept conversation in the chat again (history.restore), each answer's boxes drawn again on their picture."""
+    conversation = history.restore(kept, folder)
+    for i, e in enumerate(conversation):
+        if e.get("drawn"):
+            e["drawn"] = drawn(conversation[:i], e["text"], lang, folder)
+    return conversation
+
+
 def entry(conversation: list[dict], message: int) -> int:
     """The index in the conversation of the entry that render()'s message number `message` shows (an answer with
     reasoning shows two), len(conversation) for one past its end."""
@@ -281,8 +290,9 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
         record = next((k for k in store if k["id"] == current), None)
         if record is None:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        conversation = history.restore(record, chatbot.GRADIO_CACHE)
-        return conversation, render(conversation), *offered(record, texts.language(request))
+        lang = texts.language(request)
+        conversation = reopened(record, chatbot.GRADIO_CACHE, lang)
+        return conversation, render(conversation), *offered(record, lang)
 
     def add_upload(path: str, store: list, request: gr.Request):
         """A downloaded JSON kept again, first in the list; anything else is refused with a message."""

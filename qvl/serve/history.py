@@ -1,11 +1,14 @@
 """Conversations kept in the browser: a chat turned into a record and back, and its downloads.
 
 A record is {"id", "title", "turns"}, each turn {"role", "text", "images"} with the images as data URLs, plus the
-"note", "empty" and "failed" the chat showed: JSON through and through, so it lives in the browser's localStorage
-(gr.BrowserState) and the server keeps none of it. A browser gives a site about 5 MB there, and Gradio stores the
-value encrypted, a third larger; so qvl keeps at most KEPT_COUNT conversations in KEPT_BYTES of JSON, the oldest
-dropped first. Each image is kept as a JPEG at most IMAGE_SIDE pixels wide and high, and a conversation keeps
-IMAGES_BYTES of them: an image past that is left out, and its question says so.
+"note", "empty" and "failed" the chat showed, a Thinking model's "reasoning" with its section's "thought" (title,
+status, duration), and "drawn": true for an answer whose boxes were drawn, which are drawn again when it is
+reopened (chat_tab.reopened) rather than kept as a picture: JSON through and through, so it lives in the browser's
+localStorage (gr.BrowserState) and the server keeps none of it. A browser gives a site about 5 MB there, and Gradio
+stores the value encrypted, a third larger; so qvl keeps at most KEPT_COUNT conversations in KEPT_BYTES of JSON, the
+oldest dropped first. Each image is kept as a JPEG at most IMAGE_SIDE pixels wide and high, and a conversation keeps
+IMAGES_BYTES of them: an image past that is left out, and its question says so, as it does for an upload that is no
+picture (a PDF, a video).
 """
 import base64
 import binascii
@@ -26,7 +29,7 @@ KEPT_BYTES = 2 << 20  # every kept conversation together, as JSON
 KEPT_COUNT = 50
 TITLE_CHARS = 48
 FORMAT = "qvl-conversation/1"  # what a downloaded JSON says it is
-KEPT_KEYS = ("note", "empty", "failed")  # what the chat showed beside a turn's text
+KEPT_KEYS = ("note", "empty", "failed", "reasoning", "thought")  # what the chat showed beside a turn's text
 DATA_URL = re.compile(r"data:image/(png|jpeg|webp|gif);base64,([A-Za-z0-9+/]*={0,2})")
 
 
@@ -45,26 +48,32 @@ def data_url(path: str) -> str:
 
 
 def record(conversation: list[dict], id: str, lang: str) -> dict:
-    """The chat's entries as a record to keep, its images within IMAGES_BYTES."""
-    turns, budget = [], IMAGES_BYTES
+    """The chat's entries as a record to keep, its images within IMAGES_BYTES; an answer's drawn boxes are marked
+    to be drawn again only if the picture they are on (boxes.grounded's: the last of the latest question with
+    pictures) is kept."""
+    turns, budget, grounded_kept = [], IMAGES_BYTES, False
     for entry in conversation:
         urls, left_out = [], 0
         for path in entry["images"]:
-            try:
-                url = data_url(path)
+            try:  # a video (an animated GIF too) is not kept as its first frame: reopened, it would be a still
+                url = data_url(path) if images.sniff(path)[0] == "image" else ""
             except InputError:  # gone from the server, or never a picture (its question was refused)
                 url = ""
-            if url and len(url) <= budget:
+            kept = bool(url) and len(url) <= budget
+            if kept:
                 urls.append(url)
                 budget -= len(url)
             else:
                 left_out += 1
+        if entry["role"] == "user" and entry["images"] and not entry.get("failed"):
+            grounded_kept = kept  # its last picture's
         text = entry["text"]
         if left_out:
             text = " ".join(filter(None, (text, texts.say(lang, "not_kept", count=left_out,
                                                           limit=f"{IMAGES_BYTES >> 20} MB"))))
         turns.append({"role": entry["role"], "text": text, "images": urls,
-                      **{key: entry[key] for key in KEPT_KEYS if entry.get(key)}})
+                      **{key: entry[key] for key in KEPT_KEYS if entry.get(key)},
+                      **({"drawn": True} if entry.get("drawn") and grounded_kept else {})})
     return {"id": id, "title": title(turns, lang), "turns": turns}
 
 
@@ -94,7 +103,7 @@ def restore(kept: dict, folder: str) -> list[dict]:
     the model reads it."""
     return [{"role": turn["role"], "text": turn["text"], "images": [written(folder, *decoded(url)) for url in
                                                                     turn["images"]],
-             **{key: turn[key] for key in KEPT_KEYS if key in turn}} for turn in kept["turns"]]
+             **{key: turn[key] for key in (*KEPT_KEYS, "drawn") if key in turn}} for turn in kept["turns"]]
 
 
 def decoded(url: str) -> tuple[bytes, str]:
@@ -138,11 +147,19 @@ def from_json(data: bytes, id: str) -> dict:
 
 
 def _is_turn(turn) -> bool:
-    return (isinstance(turn, dict) and turn.keys() <= {"role", "text", "images", *KEPT_KEYS}
+    return (isinstance(turn, dict) and turn.keys() <= {"role", "text", "images", "drawn", *KEPT_KEYS}
             and turn.get("role") in ("user", "assistant") and isinstance(turn.get("text"), str)
             and isinstance(turn.get("images"), list) and all(map(_is_image, turn["images"]))
-            and all(isinstance(turn.get(key, ""), str) for key in ("note", "empty"))
-            and isinstance(turn.get("failed", False), bool))
+            and all(isinstance(turn.get(key, ""), str) for key in ("note", "empty", "reasoning"))
+            and all(isinstance(turn.get(key, False), bool) for key in ("failed", "drawn"))
+            and _is_thought(turn.get("thought", {})))
+
+
+def _is_thought(thought) -> bool:
+    """A reasoning section's Chatbot metadata as answers.thought makes it."""
+    return (isinstance(thought, dict) and thought.keys() <= {"title", "status", "duration"}
+            and isinstance(thought.get("title", ""), str) and thought.get("status", "done") in ("done", "pending")
+            and type(thought.get("duration", 0)) in (int, float))
 
 
 def _is_image(url) -> bool:
@@ -165,6 +182,9 @@ def to_zip(kept: dict, lang: str) -> bytes:
                 path = f"images/{count}{Path(name).suffix}"
                 archive.writestr(zipfile.ZipInfo(path), data)  # ZipInfo's fixed date: a record gives the same bytes
                 lines += [f"![{count}]({path})", ""]
+            if turn.get("reasoning"):  # collapsed, as the chat shows it
+                title = turn.get("thought", {}).get("title") or texts.say(lang, "thinking")
+                lines += [f"<details><summary>{title}</summary>", "", turn["reasoning"], "", "</details>", ""]
             lines += [part for part in (turn["text"], turn.get("empty")) if part] + [""]
             if turn.get("note"):
                 lines += [f"<sub>{turn['note']}</sub>", ""]
