@@ -46,3 +46,14 @@ def test_the_tiny_model_command_writes_a_loadable_checkpoint(tmp_path):
     done = subprocess.run([sys.executable, "-m", "qvl.tiny", str(tmp_path / "tiny")], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and (tmp_path / "tiny" / "model.safetensors").exists()
+
+
+def test_the_stress_run_with_answers_decoded_together_loses_nothing():
+    done = subprocess.run(
+        [sys.executable, "-m", "qvl.stress", "--batch", "3", "--clients", "5", "--soak", "8", "--new-client-every", "4",
+         "--max-sessions", "6", "--queue-size", "4", "--idle", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "batch 3" in done.stdout
+    lost = {line.split("|")[0].strip(): line.split("|")[5].strip() for line in done.stdout.splitlines() if "|" in line}
+    assert lost == {"scenario": "lost", "load": "0", "soak": "0", "faults": "0"}

@@ -3,9 +3,10 @@
     python -m qvl.stress                        # launches app.py on the tiny model, on a free 127.0.0.1 port
     python -m qvl.stress --backend              # ...and a second app.py in front of it (--backend), asked instead
     python -m qvl.stress --url http://127.0.0.1:7860 --pid PID [--auth user:password]
+    python -m qvl.stress --batch 4              # the launched app decodes up to 4 answers together
 
-load: N clients ask at once (two turns each); the first queue_size + 1 are answered in arrival order, the rest get
-the busy message; each second turn must report its own conversation's image tokens (so no answer went to the wrong
+load: N clients ask at once (two turns each); the first queue_size + batch are answered (in arrival order where
+the app answers one at a time), the rest get the busy message; each second turn must report its own conversation's image tokens (so no answer went to the wrong
 conversation). soak: a few hundred requests, 4 at a time, a new client (so a new Gradio session) every 5, with the
 server's RSS after warm-up and at the end: flat once the app holds --max-sessions sessions (a launched app gets a
 small bound, so the soak passes it).
@@ -215,8 +216,9 @@ def wait_until_registered(job, timeout: float = 60):
         time.sleep(0.02)
 
 
-def load(url: str, n: int, auth, workdir: Path) -> Tally:
-    """N clients at once, two turns each; client i's image costs 16 + i tokens, which its second turn must report."""
+def load(url: str, n: int, auth, workdir: Path, batch: int = 1) -> Tally:
+    """N clients at once, two turns each; client i's image costs 16 + i tokens, which its second turn must report.
+    One at a time (batch 1) they are answered in arrival order; answers decoded together end as their lengths say."""
     tally = Tally("load")
     clients = [Client(url, auth=auth, verbose=False) for _ in range(n)]
     try:
@@ -229,7 +231,7 @@ def load(url: str, n: int, auth, workdir: Path) -> Tally:
             wait_until_registered(job)
         first = [tally.outcome(job, started) for started, job in jobs]
         answered = [i for i, result in enumerate(first) if result is not None]
-        if sorted(answered, key=done_at.get) != answered:
+        if batch == 1 and sorted(answered, key=done_at.get) != answered:
             tally.wrong += 1
             tally.problems.append(f"answered out of arrival order: {sorted(answered, key=done_at.get)}")
         second = [(i, time.monotonic(), ask(clients[i], "And what else?", seed=i)) for i in answered]
@@ -450,6 +452,9 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-memory", default="16MB",
                         help="the launched app's bound on kept conversations: small, so the soak reaches it and its "
                              "RSS shows the bound at work (with --backend, the first app's: the model's)")
+    parser.add_argument("--batch", type=int, default=1, choices=range(1, 9), metavar="1-8",
+                        help="the launched app's --batch: answers decoded together (the app holding the model, with "
+                        "--backend); with --url, the running app's, for the load's order check")
     parser.add_argument("--backend", action="store_true",
                         help="launch a second app.py with --backend in front of the first and run everything through "
                              "the second, so that its remote engine answers")
@@ -469,14 +474,15 @@ def main(argv=None) -> int:
         else:
             model = tiny.build(workdir / "tiny")
             env = {"QVL_AUTH": args.auth} if args.auth else {}
-            engine_flags = ("--kv-memory", args.kv_memory)
-            engine = f"on the tiny model, {args.kv_memory} of kept conversations"
+            engine_flags = ("--kv-memory", args.kv_memory, "--batch", str(args.batch))
+            engine = f"on the tiny model, {args.kv_memory} of kept conversations, batch {args.batch}"
             if args.backend:
                 (workdir / "backend").mkdir()
                 backend = launch(str(model), workdir / "backend", *engine_flags)
                 api_ready(backend.url)
                 print(f"launched app.py (pid {backend.proc.pid}) at {backend.url} {engine}, as the backend", flush=True)
-                engine_flags, engine = ("--backend", backend.url + "v1"), f"in front of it (--backend {backend.url}v1)"
+                engine_flags = ("--backend", backend.url + "v1", "--concurrency", str(args.batch))
+                engine = f"in front of it (--backend {backend.url}v1)"
             server = launch(str(model), workdir, "--queue-size", str(args.queue_size),
                             "--max-sessions", str(args.max_sessions), *engine_flags, env=env)
             url, pid, cache_dir = server.url, server.proc.pid, server.cache_dir
@@ -491,7 +497,7 @@ def main(argv=None) -> int:
         repeats = cached_repeats(url, auth, args.cached_repeats, ROOT / "assets" / "chart.png") \
             if args.cached_repeats else []
         tallies = []
-        for run in (lambda: load(url, args.clients, auth, workdir),
+        for run in (lambda: load(url, args.clients, auth, workdir, args.batch),
                     lambda: soak(url, args.soak, auth, pid, workdir, args.new_client_every),
                     lambda: faults(url, auth, workdir, cache_dir)):
             tallies.append(run())
