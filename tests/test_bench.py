@@ -344,4 +344,5 @@ def test_concurrent_serves_a_crowd_through_the_batch_and_one_at_a_time(tiny_dir,
         assert c["aggregate_tok_s"] > 0 and 0 < c["ttft_p50_s"] <= c["ttft_p95_s"] < c["last_end_s"]
         assert 0 < c["longest_pause_s"] < c["last_end_s"] and 1 <= c["largest_batch"] <= c["batch"]
     assert crowds[3]["last_end_s"] >= 2.0  # the third arrived two seconds in
+    assert crowds[0]["full_batch_tok_s"] > 0 and crowds[4]["full_batch_tok_s"] is None  # --batch 1 has no batch
     assert "| auto | 3 | 3 |" in result.stdout

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 from qvl.engine import generate, lean
@@ -28,11 +29,11 @@ class _Seat:
 
 class Scheduler:
     """Up to `seats` answers decoded together by one thread, each step under `lock` (the model's, which a prefill
-    holds too). sizes counts the steps taken at each batch size."""
+    holds too). sizes counts the steps taken at each batch size, seconds the time they took."""
 
     def __init__(self, lock: threading.Lock, seats: int):
         self.lock, self.seats = lock, seats
-        self.sizes = collections.Counter()
+        self.sizes, self.seconds = collections.Counter(), collections.Counter()
         self._waiting: collections.deque[_Seat] = collections.deque()
         self._running: list[_Seat] = []
         self._changed = threading.Condition()
@@ -115,7 +116,9 @@ class Scheduler:
                     self._changed.wait()
             try:
                 with self.lock:
+                    start = time.perf_counter()
                     logits = lean.step([seat.answer.decoder for seat in feeding], [seat.token for seat in feeding])
+                    self.seconds[len(feeding)] += time.perf_counter() - start
             except Exception as e:  # every answer in the step fails, as a lone answer's failed step fails it
                 for seat in feeding:
                     seat.tokens.put(e)

@@ -552,10 +552,13 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
 def crowd(engine, count: int, stagger_s: float = 0.0) -> dict:
     """count standard requests arriving together (or stagger_s apart), each in a thread of its own as the server's
     workers run them: aggregate decode tok/s (every answer's tokens after its first, over the time from the first
-    first token to the last end), the time until the last answer ends, p50/p95 time to first token and the longest
-    pause between two pieces of one running stream."""
+    first token to the last end, the others' prefills included), the time until the last answer ends, p50/p95 time
+    to first token, the longest pause between two pieces of one running stream, and full_batch_tok_s: the decode rate
+    of the steps that took all count answers, the others' prefills left out."""
     params = settings.GenParams(greedy=True, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, max_image_tokens=320)
     turn, results = Turn("user", QUESTION, (photo(),)), [None] * count
+    scheduler = engine.scheduler
+    steps, seconds = (dict(scheduler.sizes), dict(scheduler.seconds)) if scheduler else ({}, {})
     begin = time.perf_counter()
 
     def ask(i):
@@ -581,7 +584,11 @@ def crowd(engine, count: int, stagger_s: float = 0.0) -> dict:
             "ttft_p50_s": statistics.median(ttfts), "ttft_p95_s": ttfts[min(count - 1, round(0.95 * (count - 1)))],
             "longest_pause_s": max(b - a for _, times, _ in results for a, b in zip(times, times[1:])),
             "answer_tok_s": statistics.median(stats.decode_tok_s for _, _, stats in results),
-            "largest_batch": max(stats.batch for _, _, stats in results)}
+            "largest_batch": max(stats.batch for _, _, stats in results),
+            # The decode rate of the steps that took all `count` answers, from the scheduler's own timing.
+            "full_batch_tok_s": count * (scheduler.sizes[count] - steps.get(count, 0))
+            / (scheduler.seconds[count] - seconds.get(count, 0)) if scheduler and scheduler.sizes[count] > steps.get(
+                count, 0) else None}
 
 
 def crowds(make_engine, levels: list[int]) -> list[dict]:
@@ -624,12 +631,13 @@ def crowd_child(args, ahead: modelcache.Reader | None):
 
 
 CROWD_COLUMNS = ["batch", "count", "stagger_s", "aggregate_tok_s", "last_end_s", "ttft_p50_s", "ttft_p95_s",
-                 "longest_pause_s", "answer_tok_s", "largest_batch"]
+                 "longest_pause_s", "answer_tok_s", "largest_batch", "full_batch_tok_s"]
 
 
 def crowd_table(rows: list[dict]) -> str:
     lines = ["| row | " + " | ".join(CROWD_COLUMNS) + " |", "|---|" + "---|" * len(CROWD_COLUMNS)]
-    return "\n".join(lines + [f"| {row['name']} | " + " | ".join(f"{crowd[k]:.3g}" for k in CROWD_COLUMNS) + " |"
+    return "\n".join(lines + [f"| {row['name']} | " + " | ".join("-" if crowd[k] is None else f"{crowd[k]:.3g}"
+                                                                for k in CROWD_COLUMNS) + " |"
                               for row in rows for crowd in row["crowds"]])
 
 
