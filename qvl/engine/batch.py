@@ -1,7 +1,7 @@
 """Several answers decoded together: one thread steps every running answer at once (lean.step), so the weights are
 read once a step for all of them, as llama.cpp's server slots and vLLM's continuous batching do.
 
-Decode is bound by reading the weights: on two cores four rows through the 2B's linears cost about 1.3x one row
+Decode is bound by reading the weights, so an answer added to a step costs far less than a step of its own
 (docs/performance.md, "Serving a crowd"). Each answer prefills in its own thread exactly as alone (the model's lock
 keeps a prefill and a step apart), then joins the batch at the next step; it picks its own tokens (its sampling,
 its seed's generator, its stop, eos and length) and leaves the batch the step it ends, when its seat goes to the
