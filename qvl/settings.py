@@ -35,7 +35,8 @@ class GenParams:
 
 # The GenParams fields a visitor may set for their session (settings tab, `ask`, the OpenAI API), by name; the rest
 # stay at the server's flags.
-SESSION_PARAMS = ("max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "greedy", "seed")
+SESSION_PARAMS = ("max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "greedy", "seed",
+                  "max_video_frames")
 
 
 @dataclass

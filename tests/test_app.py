@@ -152,7 +152,7 @@ def test_the_api_names_its_two_endpoints_and_nothing_of_the_page(app):
     ask = api["named_endpoints"]["/ask"]
     assert [p["parameter_name"] for p in ask["parameters"]] == [
         "images", "question", "use_cache", "max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k",
-        "greedy", "seed"]
+        "greedy", "seed", "max_video_frames"]
     assert [r["label"] for r in ask["returns"]] == ["answer", "status", "boxes"]
     new = api["named_endpoints"]["/new_conversation"]
     assert new["parameters"] == [] and new["returns"] == []

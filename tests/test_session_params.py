@@ -17,7 +17,8 @@ from test_openai_api import serving
 
 # A value for each session setting that differs from its default and from every other field's, so a value that
 # reaches the wrong field shows.
-CHOSEN = dict(max_image_tokens=272, max_new_tokens=3, temperature=0.35, top_p=0.55, top_k=9, greedy=True, seed=4242)
+CHOSEN = dict(max_image_tokens=272, max_new_tokens=3, temperature=0.35, top_p=0.55, top_k=9, greedy=True, seed=4242,
+              max_video_frames=6)
 
 
 def test_the_session_settings_are_genparams_fields_and_cover_what_a_visitor_may_set():
@@ -70,5 +71,7 @@ def test_ask_and_the_openai_api_hand_each_value_to_its_own_field(engine, tmp_pat
         sent = received[-1]
         assert (sent.max_new_tokens, sent.temperature, sent.top_p, sent.top_k, sent.seed, sent.greedy) == (
             4, 0.4, 0.6, 5, 77, False)
-        assert sent.max_image_tokens == GenParams().max_image_tokens  # OpenAI has no such field: the server's flag
+        # OpenAI has no such fields: the server's flags.
+        assert (sent.max_image_tokens, sent.max_video_frames) == (GenParams().max_image_tokens,
+                                                                   GenParams().max_video_frames)
 

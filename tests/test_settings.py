@@ -170,7 +170,8 @@ def test_a_model_folder_is_taken_with_its_home_expanded(tmp_path, monkeypatch):
     assert settings.parse([], env={"QVL_MODEL": "~/qwen"}).model == str(tmp_path / "qwen")
 
 
-@pytest.mark.parametrize("name", ["max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "seed"])
+@pytest.mark.parametrize("name", ["max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
+                                  "max_video_frames"])
 def test_the_page_takes_back_every_value_the_server_starts_with(name):
     """The settings tab's control sends its value back with every question, and Gradio refuses one outside the
     control's range: a start-up value it would refuse broke every question."""

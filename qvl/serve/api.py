@@ -52,12 +52,13 @@ def wire(conversation: gr.State, session: list, answerer, settings):
 
     async def ask(request: gr.Request, images: list[str] | None, question: str, conversation: list,
                   use_cache: bool, max_image_tokens: int, max_new_tokens: int, temperature: float, top_p: float,
-                  top_k: int, greedy: bool, seed: int):
+                  top_k: int, greedy: bool, seed: int, max_video_frames: int):
         """Answer a question about images, continuing this client's conversation. Streams (answer, status, boxes):
         boxes are the finished answer's boxes and points as data (qvl.serve.boxes), [] until then."""
         lang = texts.language(request)
         params = answerer.params(dict(max_image_tokens=max_image_tokens, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, seed=seed))
+                                      temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, seed=seed,
+                                      max_video_frames=max_video_frames))
         try:
             pictures = [await links.read(image, "images", settings.allow_image_urls, answerer.upload_limit)
                         if image.startswith(("http://", "https://")) else image for image in images or []]

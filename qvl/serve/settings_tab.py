@@ -31,6 +31,9 @@ def draw(i18n: gr.I18n, engine, cache, settings) -> dict:
                                                  value=gen.max_image_tokens, step=16, label=i18n("max_image_tokens"))
         controls["max_new_tokens"] = gr.Slider(BOUNDS["max_new_tokens"][0], max(2048, gen.max_new_tokens),
                                                value=gen.max_new_tokens, step=1, label=i18n("max_new_tokens"))
+        # Beside the image budget, since each pair of frames costs one image's tokens.
+        controls["max_video_frames"] = gr.Slider(BOUNDS["max_video_frames"][0], max(64, gen.max_video_frames),
+                                                 value=gen.max_video_frames, step=1, label=i18n("max_video_frames"))
     with gr.Row():
         controls["temperature"] = gr.Slider(*BOUNDS["temperature"], value=gen.temperature, step=0.05,
                                             label=i18n("temperature"))

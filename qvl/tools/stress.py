@@ -48,7 +48,7 @@ FAILED = tuple(texts.TEXT["en"][key].split("{")[0] for key in (
     "failed", "backend_unreachable", "backend_timeout", "backend_cut", "backend_busy", "backend_failed"))
 # Sampled, so the tiny model's answers differ by seed and conversation; short, so a request costs well under a second.
 ASK = dict(use_cache=True, max_image_tokens=320, max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=200,
-           greedy=False, seed=0)
+           greedy=False, seed=0, max_video_frames=8)
 TIMEOUT_S = 300  # one request, queueing included: past this it counts as lost
 
 
@@ -385,8 +385,7 @@ def cached_repeats(url: str, auth, repeats: int, image: Path) -> list[str]:
     question, lines = "What does this chart show?", []
     client = Client(url, auth=auth, verbose=False)
     first, _, _ = client.predict([handle_file(str(image))], question, **ASK, api_name="/ask")
-    controls = [ASK[name] for name in ("max_image_tokens", "max_new_tokens", "temperature", "top_p", "top_k",
-                                       "greedy", "seed")]
+    controls = [ASK[name] for name in settings.SESSION_PARAMS]
 
     def via_client():
         client.predict(api_name="/new_conversation")  # the same question again, not a follow-up
