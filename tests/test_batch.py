@@ -4,6 +4,7 @@ import threading
 import time
 from collections import defaultdict
 
+import openai
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from qvl.engine import generate
 from qvl.engine.local import Engine
 from qvl.serve import answers
 from test_engine import picture
+from test_openai_api import serving
 
 # fp32: a batch's matmuls take B rows where alone they take one, and may sum in another order.
 TOLERANCE = 1e-4
@@ -251,4 +253,30 @@ def test_the_line_seats_as_many_as_the_batch_and_the_stats_line_names_the_batch(
     finals = asyncio.run(scenario())
     assert [final.stats["batch"] for final in finals][:2] == [2, 2]
     assert texts.say(lang, "batch_part", count=2) in answers.figures(lang, finals[0])
+    engine.close()
+
+
+def test_two_openai_api_clients_are_answered_together(tiny_dir, tmp_path):
+    """Two keys ask at once through the OpenAI API of a --batch 2 server: both answers run, decoded together."""
+    engine = _engine(tiny_dir, tmp_path, 2)
+    engine.ready.set()
+    flags = ("--auth", "ann:pw,bob:pw", "--batch", "2", "--min-new-tokens", "300", "--max-new-tokens", "300")
+    with serving(engine, tmp_path, *flags) as url:
+        replies = {}
+
+        def ask(user):
+            client = openai.OpenAI(base_url=url + "v1", api_key=f"{user}:pw", max_retries=0)
+            replies[user] = client.chat.completions.create(
+                model="qvl", messages=[{"role": "user", "content": f"{user}, tell me more."}])
+
+        threads = [threading.Thread(target=ask, args=(user,)) for user in ("ann", "bob")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    assert sorted(replies) == ["ann", "bob"]
+    for reply in replies.values():
+        assert reply.usage.completion_tokens == 300
+        assert texts.say("en", "batch_part", count=2) in reply.qvl_status
+    assert engine.scheduler.sizes[2] > 0
     engine.close()
