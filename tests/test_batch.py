@@ -88,7 +88,7 @@ def _together(engine: Engine, requests, picks: Picks, joining: dict) -> list[lis
             thread.start()
         for i in first:
             go[i].set()
-        while scheduler._wanting < len(first):
+        while scheduler._prefills < len(first):
             time.sleep(0.001)
     for thread in threads:
         thread.join(60)
@@ -177,7 +177,7 @@ def test_a_stopped_answer_leaves_within_a_step_and_keeps_what_its_reader_took(ti
         thread = threading.Thread(target=lambda: other.extend(engine.chat(*requests[1])))
         first.start()
         thread.start()
-        while engine.scheduler._wanting < 2:
+        while engine.scheduler._prefills < 2:
             time.sleep(0.001)
     first.join()
     for _ in range(4):
@@ -279,4 +279,27 @@ def test_two_openai_api_clients_are_answered_together(tiny_dir, tmp_path):
         assert reply.usage.completion_tokens == 300
         assert texts.say("en", "batch_part", count=2) in reply.qvl_status
     assert engine.scheduler.sizes[2] > 0
+    engine.close()
+
+
+def test_a_stop_while_a_newcomer_prefills_does_not_wait_for_that_prefill(tiny_dir, tmp_path, monkeypatch):
+    """The batch waits while a newcomer prefills (here held back by the test, as a long prompt would be): an answer
+    stopped meanwhile leaves at once."""
+    engine = _engine(tiny_dir, tmp_path, 4)
+    params = settings.GenParams(max_new_tokens=500, min_new_tokens=500, greedy=True)
+    running = engine.chat([Turn("user", "Go on.")], params)
+    next(running)
+    prefill, may_end = engine._prefill, threading.Event()
+    monkeypatch.setattr(engine, "_prefill", lambda *args: may_end.wait(30) and prefill(*args))
+    newcomer = threading.Thread(target=lambda: list(engine.chat([Turn("user", "Me too.")], params)))
+    newcomer.start()
+    while not engine.scheduler._prefills:
+        time.sleep(0.001)
+    stopping = threading.Thread(target=running.close)
+    stopping.start()
+    stopping.join(10)
+    assert not stopping.is_alive() and not may_end.is_set()  # while the newcomer still prefills
+    may_end.set()
+    newcomer.join(60)
+    assert not engine.scheduler.busy()
     engine.close()

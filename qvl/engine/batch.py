@@ -38,21 +38,24 @@ class Scheduler:
         self._running: list[_Seat] = []
         self._changed = threading.Condition()
         self._closing = False
-        self._wanting = 0  # threads waiting to prefill
+        self._prefills = 0  # threads prefilling or waiting to
         self._thread = threading.Thread(target=self._run, name="batch", daemon=True)
         self._thread.start()
 
     @contextlib.contextmanager
     def prefilling(self):
-        """The model's lock for a prefill, taken at the next step's boundary: the scheduler waits for those who want
-        it, since a lock released and retaken by the same thread every step would keep them waiting for many."""
+        """The model's lock for a prefill, taken at the next step's boundary: the scheduler steps only while no
+        prefill holds or wants it (a lock released and retaken by the same thread every step would keep them waiting
+        for many), and meanwhile lets stopped answers go."""
         with self._changed:
-            self._wanting += 1
-        with self.lock:
+            self._prefills += 1
+        try:
+            with self.lock:
+                yield
+        finally:
             with self._changed:
-                self._wanting -= 1
+                self._prefills -= 1
                 self._changed.notify_all()
-            yield
 
     def busy(self) -> bool:
         """Whether any answer is waiting or running."""
@@ -75,7 +78,9 @@ class Scheduler:
                 taken += 1
                 yield token
         finally:
-            seat.gone.set()
+            with self._changed:
+                seat.gone.set()
+                self._changed.notify_all()  # a scheduler waiting for prefills lets it go meanwhile
             seat.left.wait()
             answer.decoder.close(keep_answer, max(0, taken - 1))
 
@@ -112,8 +117,13 @@ class Scheduler:
             if not feeding:
                 continue
             with self._changed:
-                while self._wanting:
+                while self._prefills:
                     self._changed.wait()
+                    for seat in [seat for seat in feeding if seat.gone.is_set()]:  # stopped: not worth a step
+                        feeding.remove(seat)
+                        self._leave(seat)
+            if not feeding:
+                continue
             try:
                 with self.lock:
                     start = time.perf_counter()
