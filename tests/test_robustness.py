@@ -115,7 +115,7 @@ def test_an_empty_message_a_200kb_question_and_too_many_images_are_refused(app):
 def test_odd_unicode_and_lone_surrogates_from_raw_json_are_answered(app):
     with logged_in(app) as http:
         for question in ["שלום 👩‍👩‍👧‍👦 e\u0301\u0302 \u202eabc", "\ud83d\ude00 and a lone \ud800"]:
-            events = call(http, [[], question, True, 320, 8, 1.0, 1.0, 200, False, 0])
+            events = call(http, stress.ask_data([], question, True, max_new_tokens=8))
             assert events[-1][0] == "complete", events[-1]
 
 
@@ -160,7 +160,7 @@ def test_load_is_answered_in_arrival_order_unmixed_and_past_the_bound_told_busy(
     files = [stress.picture(app.log.parent / f"load{i}.png", 16 + i) for i in range(len(clients))]
     jobs, finished = [], []
     with logged_in(app) as http:
-        data = [[], "Tell me a very long story.", False, 320, 2000, 1.0, 1.0, 200, True, 0]
+        data = stress.ask_data([], "Tell me a very long story.", False, max_new_tokens=2000, greedy=True)
         blocker = http.post("gradio_api/call/ask", json={"data": data}).json()["event_id"]
         with http.stream("GET", f"gradio_api/call/ask/{blocker}") as stream:
             lines = stream.iter_lines()  # kept: an abandoned iterator closes the connection
@@ -227,8 +227,8 @@ def test_the_api_file_parameter_cannot_read_server_files(app, path):
     if path == "<outside.png>":  # a readable image the server has, but nobody uploaded
         path = str(picture(app, "outside.png"))
     with logged_in(app) as http:
-        events = call(http, [[{"path": path, "meta": {"_type": "gradio.FileData"}}], "Describe it.", False, 320, 8,
-                             1.0, 1.0, 200, True, 0])
+        events = call(http, stress.ask_data([{"path": path, "meta": {"_type": "gradio.FileData"}}], "Describe it.",
+                                            False, max_new_tokens=8, greedy=True))
     assert events[-1][0] in ("error", "rejected") and "first token" not in str(events)
 
 

@@ -52,6 +52,11 @@ ASK = dict(use_cache=True, max_image_tokens=320, max_new_tokens=16, temperature=
 TIMEOUT_S = 300  # one request, queueing included: past this it counts as lost
 
 
+def ask_data(images: list, question: str, use_cache: bool, **params) -> list:
+    """`ask`'s inputs in the raw HTTP API's positional order: ASK's settings, as params change them."""
+    return [images, question, use_cache, *[{**ASK, **params}[name] for name in settings.SESSION_PARAMS]]
+
+
 @dataclass
 class Server:
     """An app.py this process launched: its process, address, log file and cache directory."""
@@ -356,7 +361,7 @@ def disconnect(url: str, auth, after_events: int = 3):
     with httpx.Client(base_url=url, timeout=60) as http:
         if auth:
             http.post("login", data={"username": auth[0], "password": auth[1]}).raise_for_status()
-        data = [[], "Tell me a very long story.", False, 320, 2000, 1.0, 1.0, 200, True, 0]
+        data = ask_data([], "Tell me a very long story.", False, max_new_tokens=2000, greedy=True)
         event = http.post("gradio_api/call/ask", json={"data": data}).json()["event_id"]
         with http.stream("GET", f"gradio_api/call/ask/{event}") as stream:
             for n, _ in enumerate(stream.iter_lines()):
@@ -385,7 +390,6 @@ def cached_repeats(url: str, auth, repeats: int, image: Path) -> list[str]:
     question, lines = "What does this chart show?", []
     client = Client(url, auth=auth, verbose=False)
     first, _, _ = client.predict([handle_file(str(image))], question, **ASK, api_name="/ask")
-    controls = [ASK[name] for name in settings.SESSION_PARAMS]
 
     def via_client():
         client.predict(api_name="/new_conversation")  # the same question again, not a follow-up
@@ -400,7 +404,7 @@ def cached_repeats(url: str, auth, repeats: int, image: Path) -> list[str]:
             with open(image, "rb") as f:
                 (path,) = http.post("/gradio_api/upload", files={"files": f}).json()
             upload = {"path": path, "meta": {"_type": "gradio.FileData"}}
-            event = http.post("/gradio_api/call/ask", json={"data": [[upload], question, ASK["use_cache"], *controls]})
+            event = http.post("/gradio_api/call/ask", json={"data": ask_data([upload], question, ASK["use_cache"])})
             with http.stream("GET", f"/gradio_api/call/ask/{event.json()['event_id']}") as stream:
                 events = list(stream.iter_lines())
             answer, status, _, _ = json.loads(events[events.index("event: complete") + 1].removeprefix("data: "))
