@@ -1,7 +1,9 @@
 """Answers decoded together (--batch, qvl.engine.batch) are the answers each would get alone."""
 import asyncio
+import math
 import threading
 import time
+import unittest.mock
 from collections import defaultdict
 
 import openai
@@ -10,7 +12,7 @@ import torch
 
 from qvl import settings, texts
 from qvl.conversation import Stats, Turn
-from qvl.engine import generate
+from qvl.engine import batch, generate
 from qvl.engine.local import Engine
 from qvl.serve import answers
 from test_engine import picture
@@ -83,15 +85,17 @@ def _together(engine: Engine, requests, picks: Picks, joining: dict) -> list[lis
         picks.hooks[(requests[j][1].seed, count)] = lambda i=i: let_in(i)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
     first = [i for i in range(len(requests)) if i not in joining]
-    with engine._lock:  # the first ones all wait to prefill before any step
+    # A joining prefill runs while its let_in holds the scheduler in a pick, so it must not wait to lend it a step.
+    with unittest.mock.patch.object(batch, "PAUSE_S", math.inf):
+        with engine._lock:  # the first ones all wait to prefill before any step
+            for thread in threads:
+                thread.start()
+            for i in first:
+                go[i].set()
+            while scheduler._prefills < len(first):
+                time.sleep(0.001)
         for thread in threads:
-            thread.start()
-        for i in first:
-            go[i].set()
-        while scheduler._prefills < len(first):
-            time.sleep(0.001)
-    for thread in threads:
-        thread.join(60)
+            thread.join(60)
     assert all(isinstance(o[-1], Stats) for o in out)
     return out
 
@@ -301,5 +305,39 @@ def test_a_stop_while_a_newcomer_prefills_does_not_wait_for_that_prefill(tiny_di
     assert not stopping.is_alive() and not may_end.is_set()  # while the newcomer still prefills
     may_end.set()
     newcomer.join(60)
+    assert not engine.scheduler.busy()
+    engine.close()
+
+
+@pytest.mark.parametrize("mode", ["fp32", "w8a14"])
+def test_a_newcomer_lends_the_model_between_its_layers_without_changing_an_answer(tiny_dir, tmp_path, monkeypatch,
+                                                                                  mode):
+    """A request with an image joins a running answer: before each of its vision blocks and text layers its prefill
+    lends the model for a step (here at once: PAUSE_S 0), so the running answer goes on meanwhile. The newcomer's
+    first logits, which its prefill alone computes, are exactly what it gets alone; in fp32 both answers are too."""
+    running = ([Turn("user", "Tell me a long story.")],
+               settings.GenParams(max_new_tokens=120, min_new_tokens=120, greedy=True, seed=0))
+    newcomer = _requests()[1]
+    alone = Picks(monkeypatch)
+    _alone(_engine(tiny_dir, tmp_path, 1, "--kv-memory", "0", "--quant", mode), [running, newcomer])
+    together = Picks(monkeypatch)
+    engine = _engine(tiny_dir, tmp_path, 4, "--kv-memory", "0", "--quant", mode)
+    monkeypatch.setattr(batch, "PAUSE_S", 0.0)
+    first = engine.chat(*running)
+    pieces = [next(first)]
+    sizes = engine.scheduler.sizes.copy()
+    joined = list(engine.chat(*newcomer))
+    layers = len(engine.model.model.visual.blocks) + len(engine.model.model.language_model.layers)
+    assert engine.scheduler.lent == layers  # a step before every one of the newcomer's layers
+    assert engine.scheduler.sizes[1] - sizes[1] >= layers  # the running answer's, while the newcomer prefilled
+    pieces += list(first)
+    assert isinstance(pieces[-1], Stats) and isinstance(joined[-1], Stats) and joined[-1].batch == 2
+    seed = newcomer[1].seed
+    assert torch.equal(together.logits[seed][0], alone.logits[seed][0])
+    if mode == "fp32":
+        for seed in (running[1].seed, seed):
+            assert together.tokens[seed] == alone.tokens[seed]
+            for a, b in zip(together.logits[seed], alone.logits[seed], strict=True):
+                assert _error(a, b).max() <= TOLERANCE * b[b.isfinite()].abs().max()
     assert not engine.scheduler.busy()
     engine.close()

@@ -333,16 +333,24 @@ def test_concurrent_serves_a_crowd_through_the_batch_and_one_at_a_time(tiny_dir,
     out = tmp_path / "crowd.json"
     result = subprocess.run(
         [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows", "auto", "--concurrent", "1,3",
-         "--json", str(out)], capture_output=True, text=True, timeout=600,
+         "--batch", "2", "--json", str(out)], capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     crowds = json.loads(out.read_text())["rows"][0]["crowds"]
-    # --batch 3: 1 and 3 together, then one a second; --batch 1: 1 and 3 together.
+    # --batch 2: 1 and 3 together, then one a second; --batch 1: 1 and 3 together.
     assert [(c["batch"], c["count"], c["stagger_s"]) for c in crowds] == [
-        (3, 1, 0.0), (3, 1, 1.0), (3, 3, 0.0), (3, 3, 1.0), (1, 1, 0.0), (1, 3, 0.0)]
+        (2, 1, 0.0), (2, 1, 1.0), (2, 3, 0.0), (2, 3, 1.0), (1, 1, 0.0), (1, 3, 0.0)]
     for c in crowds:
         assert c["aggregate_tok_s"] > 0 and 0 < c["ttft_p50_s"] <= c["ttft_p95_s"] < c["last_end_s"]
         assert 0 < c["longest_pause_s"] < c["last_end_s"] and 1 <= c["largest_batch"] <= c["batch"]
+    assert crowds[2]["largest_batch"] == 2  # three arrivals, two seats
     assert crowds[3]["last_end_s"] >= 2.0  # the third arrived two seconds in
     assert crowds[0]["full_batch_tok_s"] > 0 and crowds[4]["full_batch_tok_s"] is None  # --batch 1 has no batch
-    assert "| auto | 3 | 3 |" in result.stdout
+    assert "| auto | 2 | 3 |" in result.stdout
+
+
+@pytest.mark.parametrize("argv", [["--concurrent", "1,4", "--batch", "9"], ["--batch", "2"]])
+def test_batch_takes_the_engine_s_seats_and_only_with_concurrent(argv, capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["--random-weights", *argv])
+    assert exit.value.code == 2 and "--batch takes 1 to 8 seats, with --concurrent" in capsys.readouterr().err

@@ -123,7 +123,7 @@ def test_every_flag_and_variable_of_help_is_on_the_configuration_page():
 
 
 def test_every_qvl_variable_the_code_reads_is_on_the_configuration_page():
-    sources = [ROOT / "app.py", *(ROOT / "qvl").glob("*.py"), *(ROOT / "tests").glob("*.py"), ROOT / ".ci" / "run"]
+    sources = [ROOT / "app.py", *(ROOT / "qvl").rglob("*.py"), *(ROOT / "tests").glob("*.py"), ROOT / ".ci" / "run"]
     named = set()
     for source in sources:
         named |= set(re.findall(r"\bQVL_[A-Z][A-Z0-9_]*[A-Z0-9]\b", source.read_text()))

@@ -6,15 +6,26 @@ Decode is bound by reading the weights, so an answer added to a step costs far l
 keeps a prefill and a step apart), then joins the batch at the next step; it picks its own tokens (its sampling,
 its seed's generator, its stop, eos and length) and leaves the batch the step it ends, when its seat goes to the
 next. Its tokens reach its reader through a queue, so a slow reader never holds the others back.
+
+A prefill takes seconds on a CPU (a standard request's ~5 s on two cores), and the running answers would wait that
+long for their next token: between two layers of the vision tower or of the text model, once the running answers
+have waited PAUSE_S, a prefill lends the model for one step. Its own numbers do not change (its layers run as they
+would, only later), where splitting its tokens into chunks would change the activation scale its int8 linears take.
 """
 import collections
 import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+
+from torch import nn
 
 from qvl.engine import generate, lean
+
+# How long the running answers wait, at most, before a prefill lends them a step (plus the layer it is in and the
+# step: ~0.1 s and ~0.2 s for the 2B on two cores). Shorter pauses cost the newcomer's first token a step each time.
+PAUSE_S = 0.4
 
 
 class _Seat:
@@ -29,16 +40,23 @@ class _Seat:
 
 class Scheduler:
     """Up to `seats` answers decoded together by one thread, each step under `lock` (the model's, which a prefill
-    holds too). sizes counts the steps taken at each batch size, seconds the time they took."""
+    holds too, lending it between layers: interleave()). sizes counts the steps taken at each batch size, seconds
+    the time they took, lent the steps a prefill lent the model for."""
 
     def __init__(self, lock: threading.Lock, seats: int):
         self.lock, self.seats = lock, seats
         self.sizes, self.seconds = collections.Counter(), collections.Counter()
+        self.lent = 0
         self._waiting: collections.deque[_Seat] = collections.deque()
         self._running: list[_Seat] = []
         self._changed = threading.Condition()
         self._closing = False
         self._prefills = 0  # threads prefilling or waiting to
+        self._turn = threading.Lock()  # one prefill at a time: a lent lock goes to the scheduler, not to another
+        self._holder = None  # the thread whose prefill holds the lock
+        self._lending = False  # the prefill holding the lock has released it for one step
+        self._returned = 0  # lends the scheduler is done with
+        self._fed_at = time.perf_counter()  # when the running answers' readers last got tokens
         self._thread = threading.Thread(target=self._run, name="batch", daemon=True)
         self._thread.start()
 
@@ -46,16 +64,43 @@ class Scheduler:
     def prefilling(self):
         """The model's lock for a prefill, taken at the next step's boundary: the scheduler steps only while no
         prefill holds or wants it (a lock released and retaken by the same thread every step would keep them waiting
-        for many), and meanwhile lets stopped answers go."""
+        for many) or one lends it, and meanwhile lets stopped answers go."""
         with self._changed:
             self._prefills += 1
         try:
-            with self.lock:
-                yield
+            with self._turn, self.lock:
+                self._holder = threading.get_ident()
+                try:
+                    yield
+                finally:
+                    self._holder = None
         finally:
             with self._changed:
                 self._prefills -= 1
                 self._changed.notify_all()
+
+    def interleave(self, layers: Iterable[nn.Module]):
+        """Let a prefill lend the model for a step before each of layers (the vision tower's blocks and the text
+        model's layers), once the running answers have waited PAUSE_S."""
+        for layer in layers:
+            layer.register_forward_pre_hook(self._give_way)
+
+    def _give_way(self, *_):
+        if threading.get_ident() != self._holder:  # not a prefill holding the lock (a background encoding)
+            return
+        with self._changed:
+            if not self._running or time.perf_counter() - self._fed_at < PAUSE_S:
+                return
+            self._lending, returned = True, self._returned
+            self._changed.notify_all()
+        self.lock.release()
+        try:
+            with self._changed:
+                while self._returned == returned and self._running:
+                    self._changed.wait()
+                self._lending = False
+        finally:
+            self.lock.acquire()
 
     def busy(self) -> bool:
         """Whether any answer is waiting or running."""
@@ -114,31 +159,40 @@ class Scheduler:
                 except Exception as e:  # its reader raises it; the others go on
                     seat.tokens.put(e)
                 self._leave(seat)
-            if not feeding:
-                continue
-            with self._changed:
-                while self._prefills:
-                    self._changed.wait()
-                    for seat in [seat for seat in feeding if seat.gone.is_set()]:  # stopped: not worth a step
-                        feeding.remove(seat)
-                        self._leave(seat)
-            if not feeding:
-                continue
-            try:
+            self._fed_at = time.perf_counter()
+            self._step(feeding)
+
+    def _step(self, feeding: list[_Seat]):
+        """One step of the answers that need one, once no prefill holds or wants the lock, or one lends it."""
+        with self._changed:
+            while feeding and self._prefills and not self._lending:
+                self._changed.wait()
+                for seat in [seat for seat in feeding if seat.gone.is_set()]:  # stopped: not worth a step
+                    feeding.remove(seat)
+                    self._leave(seat)
+            lent, self._lending = self._lending, False
+        try:
+            if feeding:
                 with self.lock:
                     start = time.perf_counter()
                     logits = lean.step([seat.answer.decoder for seat in feeding], [seat.token for seat in feeding])
                     self.seconds[len(feeding)] += time.perf_counter() - start
-            except Exception as e:  # every answer in the step fails, as a lone answer's failed step fails it
-                for seat in feeding:
-                    seat.tokens.put(e)
-                    self._leave(seat)
-                continue
-            self.sizes[len(feeding)] += 1
-            for seat, row in zip(feeding, logits):
-                seat.answer.logits, seat.answer.batch = row, max(seat.answer.batch, len(feeding))
+                self.sizes[len(feeding)] += 1
+                self.lent += lent
+                for seat, row in zip(feeding, logits):
+                    seat.answer.logits, seat.answer.batch = row, max(seat.answer.batch, len(feeding))
+        except Exception as e:  # every answer in the step fails, as a lone answer's failed step fails it
+            for seat in feeding:
+                seat.tokens.put(e)
+                self._leave(seat)
+        finally:
+            if lent:
+                with self._changed:
+                    self._returned += 1
+                    self._changed.notify_all()
 
     def _leave(self, seat: _Seat):
         with self._changed:
             self._running.remove(seat)
+            self._changed.notify_all()  # a prefill lending to no one left goes on
         seat.left.set()

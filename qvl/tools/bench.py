@@ -20,7 +20,7 @@ into the random weights, so that fidelity shows what quantization costs where su
 says how). Each timed run starts with nothing kept (Engine.forget), as a first visit does.
 
 --concurrent serves a crowd: at each level that many standard requests arrive at once, then one a second, through
-one engine with --batch set to the largest level (at most 8), and again through --batch 1 for the levels up to 4
+one engine with --batch (default: the largest level, at most 8), and again through --batch 1 for the levels up to 4
 arriving at once (what answering one at a time costs them), each request prefilled in full (nothing kept).
 
 Scenarios measure conversation memory: each request's time to first token after its set-up (the standard request
@@ -591,10 +591,10 @@ def crowd(engine, count: int, stagger_s: float = 0.0) -> dict:
                 count, 0) else None}
 
 
-def crowds(make_engine, levels: list[int]) -> list[dict]:
-    """crowd() at each level, together and one a second, with --batch the largest level (at most 8); then with
-    --batch 1 the levels up to 4 arriving together. make_engine(batch) gives a warm engine."""
-    rows, seats = [], min(8, max(levels))
+def crowds(make_engine, levels: list[int], seats: int) -> list[dict]:
+    """crowd() at each level, together and one a second, with --batch seats; then with --batch 1 the levels up to 4
+    arriving together. make_engine(batch) gives a warm engine."""
+    rows = []
     for batch in (seats, 1) if seats > 1 else (1,):
         engine = make_engine(batch)
         for count in levels:
@@ -625,7 +625,7 @@ def crowd_child(args, ahead: modelcache.Reader | None):
         crowd(engine, 1)  # first-call costs are not the crowd's
         return engine
 
-    rows = crowds(make_engine, [int(level) for level in args.concurrent.split(",")])
+    rows = crowds(make_engine, [int(level) for level in args.concurrent.split(",")], args.batch)
     Path(args.out).write_text(json.dumps({"name": args.child, "crowds": rows}))
     shutil.rmtree(features, ignore_errors=True)
 
@@ -721,14 +721,15 @@ bench.main(sys.argv[1:], ahead)
 """
 
 
-def run_row(name: str, model: str, runs: int, reference: Path, memory: str, concurrent: str = "") -> dict:
+def run_row(name: str, model: str, runs: int, reference: Path, memory: str, concurrent: str = "",
+            batch: int = 1) -> dict:
     mode, env, prefix = ROWS[name]
     # Each row starts cold, with a model cache of its own, except that NAME-warm shares NAME's.
     models = reference.parent / "models" / name.removesuffix("-warm")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [*prefix, sys.executable, "-c", CHILD, "--child", name, "--quant", mode, "--model", model,
                    "--runs", str(runs), "--reference", str(reference), "--out", out.name, "--scenarios", memory,
-                   "--model-cache-dir", str(models), "--concurrent", concurrent]
+                   "--model-cache-dir", str(models), "--concurrent", concurrent, "--batch", str(batch)]
         subprocess.run(command, check=True, env={**os.environ, **env})
         return json.loads(Path(out.name).read_text())
 
@@ -785,6 +786,8 @@ def main(argv=None, ahead: modelcache.Reader | None = None):
                         f"({'; '.join(LINEAR_WAYS)}), in one process, text only")
     parser.add_argument("--concurrent", default="", help="instead of the rows' figures: comma-separated crowd sizes "
                         "(1,4,8), each that many standard requests at once and one a second, decoded together")
+    parser.add_argument("--batch", type=int, help="with --concurrent: the seats of the engine the crowds meet "
+                        "(default: the largest crowd, at most 8), against --batch 1")
     for hidden in ("--child", "--quant", "--reference", "--out", "--model-cache-dir"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -792,6 +795,11 @@ def main(argv=None, ahead: modelcache.Reader | None = None):
         return (crowd_child if args.concurrent else child)(args, ahead)
     if args.concurrent and not all(level.isdigit() and int(level) > 0 for level in args.concurrent.split(",")):
         parser.error(f"--concurrent takes crowd sizes such as 1,4,8, not {args.concurrent}")
+    low, high = settings.BOUNDS["batch"]
+    if args.batch is not None and not (args.concurrent and low <= args.batch <= high):
+        parser.error(f"--batch takes {low} to {high} seats, with --concurrent")
+    if args.concurrent:
+        args.batch = args.batch or min(high, max(int(level) for level in args.concurrent.split(",")))
     if args.kernels:
         print(f"{cpu.describe()}; torch {torch.__version__}; 6144x2048 weights: one decode row out of cache, "
               "a 300-row prompt\n")
@@ -834,7 +842,7 @@ def main(argv=None, ahead: modelcache.Reader | None = None):
         for name in names:
             try:
                 row = run_row(name, model, args.runs, Path(tmp) / "fp32-reference.pt", args.scenarios,
-                              args.concurrent)
+                              args.concurrent, args.batch or 1)
             except subprocess.CalledProcessError as e:  # one failed configuration must not lose the others
                 print(f"{name}: failed with exit code {e.returncode}", file=sys.stderr, flush=True)
                 continue
