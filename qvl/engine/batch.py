@@ -23,8 +23,8 @@ from torch import nn
 
 from qvl.engine import generate, lean
 
-# How long the running answers wait, at most, before a prefill lends them a step (plus the layer it is in and the
-# step: ~0.1 s and ~0.2 s for the 2B on two cores). Shorter pauses cost the newcomer's first token a step each time.
+# How long the running answers wait before a prefill lends them a step (their pause is this, plus the rest of the
+# prefill's layer and the step). Shorter pauses cost the newcomer's first token more steps.
 PAUSE_S = 0.4
 
 
