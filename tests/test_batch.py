@@ -286,10 +286,33 @@ def test_two_openai_api_clients_are_answered_together(tiny_dir, tmp_path):
     engine.close()
 
 
+class _SlowForTheBatch:
+    """The model's lock, taken by the batch's thread only after a pause."""
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def __enter__(self):
+        if threading.current_thread().name == "batch":
+            time.sleep(0.05)
+        self.lock.acquire()
+
+    def __exit__(self, *_):
+        self.lock.release()
+
+    def acquire(self):
+        self.__enter__()
+
+    def release(self):
+        self.lock.release()
+
+
 def test_a_stop_while_a_newcomer_prefills_does_not_wait_for_that_prefill(tiny_dir, tmp_path, monkeypatch):
     """The batch waits while a newcomer prefills (here held back by the test, as a long prompt would be): an answer
-    stopped meanwhile leaves at once."""
+    stopped meanwhile leaves at once, even when the newcomer came as a step was about to take the model (the test
+    widens that moment to most of each step)."""
     engine = _engine(tiny_dir, tmp_path, 4)
+    engine.scheduler.lock = _SlowForTheBatch(engine.scheduler.lock)
     params = settings.GenParams(max_new_tokens=500, min_new_tokens=500, greedy=True)
     running = engine.chat([Turn("user", "Go on.")], params)
     next(running)

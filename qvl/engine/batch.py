@@ -52,6 +52,7 @@ class Scheduler:
         self._changed = threading.Condition()
         self._closing = False
         self._prefills = 0  # threads prefilling or waiting to
+        self._stepping = False  # a step passed its wait and will take the lock: a prefill lets it go first
         self._turn = threading.Lock()  # one prefill at a time: a lent lock goes to the scheduler, not to another
         self._holder = None  # the thread whose prefill holds the lock
         self._lending = False  # the prefill holding the lock has released it for one step
@@ -67,6 +68,10 @@ class Scheduler:
         for many) or one lends it, and meanwhile lets stopped answers go."""
         with self._changed:
             self._prefills += 1
+            # A step that saw no prefill is about to take the lock: taken from under it, its answers' readers could
+            # not leave (a stop) until this prefill ends.
+            while self._stepping:
+                self._changed.wait()
         try:
             with self._turn, self.lock:
                 self._holder = threading.get_ident()
@@ -171,6 +176,7 @@ class Scheduler:
                     feeding.remove(seat)
                     self._leave(seat)
             lent, self._lending = self._lending, False
+            self._stepping = bool(feeding)
         try:
             if feeding:
                 with self.lock:
@@ -186,10 +192,10 @@ class Scheduler:
                 seat.tokens.put(e)
                 self._leave(seat)
         finally:
-            if lent:
-                with self._changed:
-                    self._returned += 1
-                    self._changed.notify_all()
+            with self._changed:
+                self._returned += lent
+                self._stepping = False
+                self._changed.notify_all()
 
     def _leave(self, seat: _Seat):
         with self._changed:
