@@ -44,6 +44,7 @@ class Settings:
     model: str = DEFAULT_MODEL
     require_model: bool = False
     quant: str = "auto"
+    int8_kernel: str = "auto"  # what packs and computes the int8 linears (modes.kernel)
     threads: int = field(default_factory=cpu.available_cores)
     # torch fixes the inter-op pool at its first parallel op, so this one needs a restart.
     interop_threads: int = 1
@@ -103,6 +104,11 @@ class Settings:
         cache's read-ahead, or the engine), and every layer below takes it as it is."""
         return modes.resolve(self.quant)
 
+    @functools.cached_property
+    def kernel(self) -> str:
+        """The concrete int8 kernel, `auto` resolved for this CPU (modes.kernel)."""
+        return modes.kernel(self.int8_kernel)
+
 
 QUANT_MODES = ("auto", *modes.MODES)
 # The values each numeric setting may take, (lowest, highest or None); the settings tab's controls take theirs from
@@ -135,6 +141,9 @@ _HELP = {
              "older AMD ones (Zen+, Zen 1: Ryzen 1000 and 2000, the first EPYC) and Intel's N100 to i3-N305; w8a16 "
              "on Arm (64-bit: Graviton, Ampere, Apple); fp32 on x86 without AVX2; or name one: fp32, bf16, int8, "
              "int4, w8a16, w8a14",
+    "int8_kernel": "what computes the int8 linears of int8, int4's prompts, w8a14 and the vision tower: auto picks "
+                   "onednn on CPUs with AMX (Intel Xeon from Sapphire Rapids on: prompts on its matrix units), fbgemm "
+                   "elsewhere; onednn needs AVX-512 VNNI or AMX",
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",
@@ -250,6 +259,11 @@ def _value(name: str, kind: type, text: str):
     if name == "quant" and text in modes.FBGEMM and cpu.arm():
         raise argparse.ArgumentTypeError(f"{text} computes with fbgemm, which PyTorch builds for x86 CPUs only; on this "
                                          "Arm CPU use auto (w8a16), w8a16, bf16 or fp32")
+    if name == "int8_kernel" and text not in ("auto", *modes.KERNELS):
+        raise argparse.ArgumentTypeError(f"{text} is not one of auto, {', '.join(modes.KERNELS)}")
+    if name == "int8_kernel" and text == "onednn" and (cpu.arm() or not modes.onednn_fits()):
+        raise argparse.ArgumentTypeError("onednn's int8 kernel needs AVX-512 VNNI or AMX, which this CPU lacks; use "
+                                         "auto or fbgemm")
     if name == "model":
         return _model(text)
     if name in FOLDERS and os.path.isfile(os.path.expanduser(text)):

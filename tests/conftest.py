@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qvl import settings
-from qvl.engine import jit, tiny
+from qvl.engine import cpu, jit, modes, quant, tiny
 from qvl.engine.local import Engine
 from qvl.tools import bench, stress
 
@@ -84,6 +84,39 @@ def numba_cache(tmp_path_factory):
     """One numba cache for the session, this process's and every app it starts: the decode kernels compile once
     (seconds), not in each app's background."""
     os.environ["NUMBA_CACHE_DIR"] = str(tmp_path_factory.mktemp("numba"))
+
+
+@pytest.fixture(autouse=True)
+def int8_kernel():
+    """Int8 linears that a test builds without an engine are fbgemm's, whatever engine an earlier test started (an
+    engine sets torch's quantized engine for its process: quant.use_kernel)."""
+    quant.use_kernel("fbgemm")
+    yield
+    quant.use_kernel("fbgemm")
+
+
+def _skip_without_onednn():
+    if cpu.arm() or not modes.onednn_fits():
+        pytest.skip("oneDNN's int8 kernel takes 8-bit activations only on CPUs with AVX-512 VNNI or AMX")
+
+
+@pytest.fixture
+def onednn():
+    """Int8 linears the test builds are oneDNN's (skipped where this CPU cannot run them)."""
+    _skip_without_onednn()
+    quant.use_kernel("onednn")
+
+
+@pytest.fixture
+def quant_flags():
+    """quant_flags(mode): an engine's flags for "w8a14" (fbgemm's int8 linears, whatever auto picks here) or
+    "w8a14+onednn" (oneDNN's, the test skipped where this CPU cannot run them)."""
+    def flags(mode: str) -> list[str]:
+        mode, _, kernel = mode.partition("+")
+        if kernel == "onednn":
+            _skip_without_onednn()
+        return ["--quant", mode, "--int8-kernel", kernel or "fbgemm"]
+    return flags
 
 
 @pytest.fixture(params=["torch", "jit"])

@@ -142,8 +142,9 @@ def _distance(picks: Picks, reference: Picks, seeds) -> float:
     return float(torch.stack(errors).mean())
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14"])
-def test_each_quantized_mode_is_no_farther_from_fp32_in_a_batch_than_alone(tiny_dir, tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14", "w8a14+onednn"])
+def test_each_quantized_mode_is_no_farther_from_fp32_in_a_batch_than_alone(tiny_dir, tmp_path, monkeypatch, quant_flags,
+                                                                            mode):
     """Teacher-forced over fp32's answers: the same tokens fed, so the logits compare position by position."""
     requests = _requests()[:3]
     seeds = [params.seed for _, params in requests]
@@ -151,9 +152,9 @@ def test_each_quantized_mode_is_no_farther_from_fp32_in_a_batch_than_alone(tiny_
     _alone(_engine(tiny_dir, tmp_path, 1, "--kv-memory", "0"), requests)
     answers = dict(reference.tokens)
     alone = Picks(monkeypatch, answers)
-    _alone(_engine(tiny_dir, tmp_path, 1, "--kv-memory", "0", "--quant", mode), requests)
+    _alone(_engine(tiny_dir, tmp_path, 1, "--kv-memory", "0", *quant_flags(mode)), requests)
     together = Picks(monkeypatch, answers)
-    engine = _engine(tiny_dir, tmp_path, 4, "--kv-memory", "0", "--quant", mode)
+    engine = _engine(tiny_dir, tmp_path, 4, "--kv-memory", "0", *quant_flags(mode))
     _together(engine, requests, together, {})
     assert max(engine.scheduler.sizes) == 3
     far, near = _distance(together, reference, seeds), _distance(alone, reference, seeds)

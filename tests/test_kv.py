@@ -216,12 +216,13 @@ def fp32_scenarios(engine):
     return first, bench.scenarios(engine, bench.SCENARIOS, first)[1]
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14"])
-def test_in_every_quantized_mode_reuse_is_no_farther_from_fp32_than_cold(make_engine, fp32_scenarios, mode):
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14", "w8a14+onednn"])
+def test_in_every_quantized_mode_reuse_is_no_farther_from_fp32_than_cold(make_engine, fp32_scenarios, quant_flags,
+                                                                        mode):
     """A follow-up, a seen image and Regenerate answered from kept caches: their logits against fp32's are at least
     as close as the same request computed cold (within 0.5 dB), and reuse really happened."""
     first, references = fp32_scenarios
-    engine = make_engine("--quant", mode, "--no-model-cache")
+    engine = make_engine(*quant_flags(mode), "--no-model-cache")
     engine.settled.wait()  # the decode kernels switch in when compiled: not between the two ways
     for row in bench.scenarios(engine, bench.SCENARIOS, first, references)[0]:
         assert row["reused_tokens"] > 0 and row["cold_reused_tokens"] == 0, row

@@ -6,9 +6,10 @@ import torch
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import checkpoint, generate, jit, lean, modelcache, modes, quant
+from qvl.engine import checkpoint, cpu, generate, jit, lean, modelcache, modes, quant
 from qvl.engine.local import Engine
 from qvl.settings import GenParams
+from qvl.tools import bench
 
 
 @pytest.mark.parametrize("flags, halves, mode", [
@@ -238,7 +239,7 @@ torch.manual_seed(0)
 linear = quant._dynamic_int8(torch.nn.Linear(512, 64, bias=False))
 exact = lambda q: q.double() @ linear.weight().int_repr().double().T  # its parts are packed at scale 1
 loudest = torch.full((2, 512), 63.0)
-print((quant._whole_numbers(loudest, linear.parts[0]).double() - exact(loudest)).abs().max().item())
+print((quant._whole_numbers(loudest, linear.parts[0], False).double() - exact(loudest)).abs().max().item())
 eight_bits = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(loudest * 2 + 1, 1.0, 128, linear.parts[0])
 print((eight_bits.double() - exact(loudest * 2 + 1)).abs().max().item())
 """
@@ -250,6 +251,77 @@ def test_w8a14s_parts_fit_the_headroom_of_fbgemms_avx2_kernel(python_child):
     child = python_child(AVX2_KERNEL)
     two_parts, eight_bits = map(float, child.stdout.split())
     assert two_parts < 1e-3 and eight_bits > 1, child.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags, kernel", [
+    (frozenset({"AVX2"}), "fbgemm"),  # Zen 2/3, Intel's AVX2 cores
+    (frozenset({"AVX2", "AVX-512", "VNNI"}), "fbgemm"),  # Ice Lake, Cascade Lake
+    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16"}), "fbgemm"),  # Zen 4/5
+    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16", "AMX"}), "onednn"),  # Sapphire Rapids on: prompts on the tiles
+    (frozenset(), "fbgemm"),
+])
+def test_auto_picks_onednns_int8_kernel_on_cpus_with_amx_and_fbgemms_elsewhere(flags, kernel):
+    assert modes.kernel("auto", flags) == kernel
+    assert modes.kernel("fbgemm", flags) == "fbgemm" and modes.kernel("onednn", flags) == "onednn"
+
+
+@pytest.mark.parametrize("flags, refused", [(frozenset({"AVX2"}), True), (frozenset({"AVX2", "AVX-512"}), True),
+                                            (frozenset({"AVX2", "AVX-512", "VNNI"}), False),
+                                            (frozenset({"AVX2", "AMX"}), False)])
+def test_onednn_is_refused_at_start_where_its_8_bit_activations_would_overflow(monkeypatch, capsys, flags, refused):
+    monkeypatch.setattr(cpu, "flags", lambda text=None: flags)
+    monkeypatch.setattr(cpu, "arm", lambda machine=None: False)
+    if refused:
+        with pytest.raises(SystemExit):
+            settings.parse(["--int8-kernel", "onednn"], env={})
+        assert "onednn's int8 kernel needs AVX-512 VNNI or AMX, which this CPU lacks" in capsys.readouterr().err
+    else:
+        assert settings.parse(["--int8-kernel", "onednn"], env={}).kernel == "onednn"
+    assert settings.parse([], env={"QVL_INT8_KERNEL": "fbgemm"}).kernel == "fbgemm"
+    assert settings.parse([], env={}).kernel == ("onednn" if "AMX" in flags else "fbgemm")
+
+
+@pytest.mark.parametrize("kernels", ["torch", "jit"], indirect=True)
+def test_onednn_decodes_w8a14_rows_exactly_as_fbgemm_and_prefills_no_farther_from_the_float_layer(onednn, kernels):
+    """A decode row's two parts are whole numbers, which both kernels multiply exactly: the same output bit for bit.
+    A prompt's rows take oneDNN's 8-bit activations, where fbgemm's take 7."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(512, 96, bias=True)
+    ours = quant._dynamic_int8(layer)
+    quant.use_kernel("fbgemm")
+    theirs = quant._dynamic_int8(layer)
+    assert ours.onednn and not theirs.onednn
+    x = torch.randn(1, 40, 512)
+    with pytest.raises(RuntimeError, match="not implemented"):  # fbgemm's own call: the weight is packed for oneDNN
+        torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x[0], 1.0, 64, ours.parts[0])
+    want = layer(x)
+    assert (ours(x) - want).norm() < 0.75 * (theirs(x) - want).norm()
+    ours.two_part = theirs.two_part = True
+    for rows in (1, quant.DECODE_ROWS):
+        assert torch.equal(ours(x[:, :rows]), theirs(x[:, :rows]))
+    assert kernels[1] == (["in_two_parts"] * 4 if kernels[0] == "jit" else [])
+
+
+def test_an_onednn_engine_says_so_and_answers_no_farther_from_fp32_than_the_fbgemm_one(tiny_dir, tmp_path, onednn):
+    """Its precision (the answer cache's key) names oneDNN, its linears are oneDNN's, and its logits for the standard
+    request, fed fp32's answer, are no farther from fp32's than fbgemm's."""
+    request = [Turn("user", bench.QUESTION, (bench.photo(),))]
+
+    def answer(*flags, tokens=None):
+        engine = Engine(settings.parse(["--model", str(tiny_dir), "--no-cache", "--no-model-cache", "--cache-dir",
+                                        str(tmp_path), "--kv-memory", "0", *flags], env={}))
+        logits, _, tokens = bench.forced_chat(engine, request, tokens, 12)
+        kinds = {m.onednn for m in engine.model.modules() if isinstance(m, quant.Int8Linear)}
+        engine.close()
+        return logits, tokens, engine.precision, kinds
+
+    want, tokens, _, _ = answer("--quant", "fp32")
+    ours, _, precision, kinds = answer("--quant", "w8a14", "--int8-kernel", "onednn", tokens=tokens)
+    assert "oneDNN int8 linears" in precision and "fbgemm" not in precision and kinds == {True}
+    theirs, _, precision, kinds = answer("--quant", "w8a14", "--int8-kernel", "fbgemm", tokens=tokens)
+    assert "fbgemm int8 linears" in precision and kinds == {False}
+    near, far = bench.fidelity(ours, want)["sqnr_db"], bench.fidelity(theirs, want)["sqnr_db"]
+    assert 60 > near >= far - 0.1, (near, far)
 
 
 def test_w8a14_prefills_a_prompt_as_int8_does():

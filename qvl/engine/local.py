@@ -160,7 +160,8 @@ class Engine:
         if mode in ("bf16", "w8a16") and not modes.native_bf16():  # said on every start, converting or not
             log.warning("--quant %s on a CPU without bf16 instructions: its bf16 matmuls are emulated, several times "
                         "slower than int8 (what auto picks here)", mode)
-        self.precision = modes.describe(mode)
+        quant.use_kernel(self.settings.kernel)
+        self.precision = modes.describe(mode, self.settings.kernel)
         self.model_id = source
         limit = AutoConfig.from_pretrained(self.folder).text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context, limit)

@@ -121,6 +121,7 @@ def read_ahead(settings) -> "Reader | None":
         if (folder := checkpoint_folder(settings.model)) is None:
             return None
         weights = weights_version(folder)
+        quant.use_kernel(settings.kernel)  # before its packers start
         # As many packers as the engine will have threads: torch's default before the engine sets it is every core
         # the machine has, more than a container may use.
         return Reader(path(settings.model_cache_dir, weights, mode), key(weights, mode), settings.threads)

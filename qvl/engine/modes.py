@@ -36,6 +36,25 @@ def resolve(mode: str, flags: frozenset[str] | None = None, halves: bool | None 
     return "int8" if "AVX2" in flags else "fp32"
 
 
+# The engines Int8Linear can pack its int8 weights for, as --int8-kernel names them; `auto` stands for one (kernel).
+KERNELS = ("fbgemm", "onednn")
+
+
+def kernel(choice: str, flags: frozenset[str] | None = None) -> str:
+    """The int8 kernel `auto` stands for on a CPU with these instruction sets (default: this CPU's); any other choice
+    as it is. oneDNN's runs a prompt on AMX's tiles, 2.7x fbgemm's rate there, and reads a decode row as fast
+    (docs/quantization.md, "What `auto` picks"); fbgemm's was faster or as fast everywhere else measured."""
+    if choice != "auto":
+        return choice
+    return "onednn" if "AMX" in (cpu.flags() if flags is None else flags) else "fbgemm"
+
+
+def onednn_fits(flags: frozenset[str] | None = None) -> bool:
+    """Whether oneDNN's int8 kernel takes 8-bit activations exactly here: with VNNI or AMX it adds int8 products in
+    32 bits, where AVX2 alone pairs them into 16 bits that a full 8-bit activation overflows."""
+    return bool((cpu.flags() if flags is None else flags) & {"VNNI", "AMX"})
+
+
 def assert_concrete(mode: str):
     """Below the settings every mode is concrete: `auto` is resolved once per start, by Settings.mode."""
     assert mode in MODES, f"{mode!r} is not a concrete mode: `auto` is resolved once, by Settings.mode"
@@ -47,9 +66,10 @@ def native_bf16(flags: frozenset[str] | None = None) -> bool:
     return bool((cpu.flags() if flags is None else flags) & {"BF16", "AMX"})
 
 
-def describe(mode: str) -> str:
-    """The precision/quantization of a concrete mode, as the engine reports it (and puts in its identity)."""
-    return {
+def describe(mode: str, int8_kernel: str = "fbgemm") -> str:
+    """The precision/quantization of a concrete mode whose int8 linears are int8_kernel's, as the engine reports it
+    (and puts in its identity: oneDNN quantizes a prompt's activations to 8 bits where fbgemm takes 7)."""
+    text = {
         # Part of the answer cache's key: it names what changes answers (the activation scale per token, too).
         "int8": "int8: fbgemm dynamic int8 linears and head, a scale per token, loud text channels apart, "
                 "embedding bf16",
@@ -60,3 +80,4 @@ def describe(mode: str) -> str:
         "w8a14": "w8a14: fbgemm int8 linears and head, a scale per token, decode rows in two parts (14 bits), "
                  "loud text channels apart, embedding bf16",
     }.get(mode, mode)
+    return text.replace("fbgemm", "oneDNN") if int8_kernel == "onednn" else text

@@ -5,6 +5,7 @@ qvl.engine.checkpoint converts a checkpoint's linears into these; qvl.engine.mod
 back. What each mode computes, and why: docs/quantization.md.
 """
 import contextvars
+import functools
 import warnings
 
 import torch
@@ -174,6 +175,18 @@ def at_scale_one(values: torch.Tensor) -> torch.Tensor:
     return weight.set_(values.untyped_storage(), values.storage_offset(), values.shape, values.stride())
 
 
+# What packs int8 weights unless a start asks for oneDNN: fbgemm's, through torch's "x86" engine (none on Arm).
+_DEFAULT_ENGINE = torch.backends.quantized.engine
+
+
+def use_kernel(kernel: str):
+    """Pack the int8 linears built from now on for kernel ("fbgemm" or "onednn", modes.kernel): torch's quantized
+    engine, one a process, chooses what linear_prepack makes, and the packed weight what computes it."""
+    wanted = "onednn" if kernel == "onednn" else _DEFAULT_ENGINE
+    if torch.backends.quantized.engine != wanted:
+        torch.backends.quantized.engine = wanted
+
+
 # Every start packs int8 weights in pieces of PIECE values, which fbgemm packs faster per value than larger ones, and
 # the engine repacks them in the background into the fewer pieces of up to SETTLED_ROWS rows that decode faster, each
 # repack short enough not to hold up a request (docs/quantization.md, "Converting and reading fast").
@@ -209,9 +222,10 @@ class _Apart(Stored):
 
 
 class Int8Linear(_Apart):
-    """fbgemm's dynamic int8 linear with a scale per row: its int8 weight is packed into fbgemm's layout (whole, or in
-    pieces of `rows` rows) and each row's scale multiplies the output, and fbgemm quantizes each call's input with one
-    scale (7 bits: fbgemm's AVX2 kernel needs the headroom).
+    """A dynamic int8 linear with a scale per row: its int8 weight is packed into fbgemm's layout, or oneDNN's where
+    torch's quantized engine is "onednn" as it is built (--int8-kernel), whole or in pieces of `rows` rows; each row's
+    scale multiplies the output, and the kernel quantizes each call's input with one scale (fbgemm's to 7 bits: its
+    AVX2 kernel needs the headroom; oneDNN's to 8, on CPUs with VNNI or AMX: modes.onednn_fits).
 
     One scale for a whole prompt is set by its loudest token, which leaves the quiet ones few levels: each row is
     brought to the same peak before the call and its output scaled back, which gives every token a scale of its own
@@ -247,6 +261,7 @@ class Int8Linear(_Apart):
         self.merged = 0  # leading parts that settle() has made, or found, final
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.two_part = False  # w8a14 (checkpoint.in_two_parts): each input row fed as two, for 14 bits instead of 7
+        self.onednn = torch.backends.quantized.engine == "onednn"  # what _pack packed it for
 
     def to_tensors(self, data=True):
         """Its weight as a per-channel torch.qint8 weight is stored (int8 values, unpacked a piece at a time, float64
@@ -284,6 +299,8 @@ class Int8Linear(_Apart):
 
     def settle(self, rows: int = SETTLED_ROWS) -> bool:
         """Repack the next run of loaded pieces that fits in `rows` rows as one piece; False once none is left."""
+        if self.onednn != (torch.backends.quantized.engine == "onednn"):
+            return False  # the process packs for the other kernel now (tests switch): the pieces answer as they did
         run = max(1, rows // self.rows)
         while self.merged < len(self.parts):
             start, self.merged = self.merged, self.merged + 1
@@ -313,12 +330,14 @@ class Int8Linear(_Apart):
         return y if self.bias is None else y + self.bias
 
     def _matmul(self, x):
-        return self._fbgemm(x).mul_(self.scale)
+        return self._int8(x, _dynamic).mul_(self.scale)
 
-    def _fbgemm(self, x, linear=lambda x, part: torch.ops.quantized.linear_dynamic(x, part, True)):
-        """fbgemm's output for x, before the rows' scales."""
+    def _int8(self, x, linear):
+        """linear(x, part, onednn)'s output over the packed parts: the int8 kernel's, before the rows' scales."""
         parts = self.parts
-        return linear(x, parts[0]) if len(parts) == 1 else torch.cat([linear(x, part) for part in parts], -1)
+        if len(parts) == 1:
+            return linear(x, parts[0], self.onednn)
+        return torch.cat([linear(x, part, self.onednn) for part in parts], -1)
 
     def _two_part(self, x):
         """x's rows, each quantized as high + low / 126 (high: the row over its peak in 63 levels a side, low: what
@@ -332,10 +351,10 @@ class Int8Linear(_Apart):
         where torch's ops take ~14 small calls."""
         rows = x.reshape(-1, self.in_features).contiguous()
         if jit.ready.is_set():
-            y = jit.in_two_parts(rows, lambda parts: self._fbgemm(parts, _whole_numbers), self.scale)
+            y = jit.in_two_parts(rows, lambda parts: self._int8(parts, _whole_numbers), self.scale)
         else:
             parts, levels = self._split(rows)
-            y = self._fbgemm(parts, _whole_numbers)
+            y = self._int8(parts, _whole_numbers)
             y = y[:len(rows)].add_(y[len(rows):], alpha=1 / 126).mul_(levels).mul_(self.scale)
         return y.view(*x.shape[:-1], -1)
 
@@ -413,9 +432,25 @@ class Int8WeightOnly(_Apart):
         return y if self.bias is None else y + self.bias
 
 
-def _whole_numbers(x: torch.Tensor, part) -> torch.Tensor:
-    """fbgemm's linear of x, whole numbers in [-63, 63], quantized at scale 1 and zero point 64: exactly."""
-    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 64, part)
+def _dynamic(x: torch.Tensor, part, onednn: bool) -> torch.Tensor:
+    """The kernel's linear of x, quantized at the scale its peak sets (fbgemm's 7 bits, oneDNN's 8)."""
+    return torch.ops.quantized.linear_dynamic(x, part, not onednn)
+
+
+def _whole_numbers(x: torch.Tensor, part, onednn: bool) -> torch.Tensor:
+    """The kernel's linear of x, whole numbers in [-63, 63], quantized at scale 1: exactly, so both kernels give the
+    same numbers. oneDNN's has no call at a given scale: one more row spanning [-128, 127] sets its dynamic scale to
+    1 (zero point 128), at the cost of a row in a call bound by reading the weights."""
+    if not onednn:
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 64, part)
+    return torch.ops.quantized.linear_dynamic(torch.cat([x, _span(x.shape[1])]), part, False)[:-1]
+
+
+@functools.cache
+def _span(width: int) -> torch.Tensor:
+    row = torch.zeros(1, width)
+    row[0, :2] = torch.tensor([-128.0, 127.0])
+    return row
 
 
 def _pack(values: torch.Tensor):

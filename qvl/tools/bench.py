@@ -78,7 +78,8 @@ ROWS = {
     "auto+jemalloc": ("auto", {"LD_PRELOAD": JEMALLOC}, []),
     "auto+tcmalloc": ("auto", {"LD_PRELOAD": TCMALLOC}, []),
     "auto+1thread": ("auto", {"QVL_THREADS": "1"}, []),
-    "auto+nojit": ("auto", {"QVL_JIT": "0"}, []),  # the decode step on torch's ops alone, without qvl.engine.jit's kernels
+    "auto+nojit": ("auto", {"QVL_JIT": "0"}, []),
+    "auto+fbgemm": ("auto", {"QVL_INT8_KERNEL": "fbgemm"}, []),  # where auto picks oneDNN's int8 kernel: the other  # the decode step on torch's ops alone, without qvl.engine.jit's kernels
     "auto+pinned": ("auto", {}, ["taskset", "-c", ",".join(map(str, sorted(os.sched_getaffinity(0))))]),
 }
 DEFAULT_ROWS = "fp32,bf16,bf16+compile,int8,int4,auto,auto+jemalloc"
@@ -617,7 +618,7 @@ def crowd_child(args, ahead: modelcache.Reader | None):
         argv = ["--model", args.model, "--quant", args.quant, "--no-cache", "--require-model", "--cache-dir", features,
                 "--model-cache-dir", args.model_cache_dir, "--kv-memory", "0", "--feature-cache-size", "0",
                 "--batch", str(batch)]
-        engine = Engine(settings.parse(argv, env={k: v for k, v in os.environ.items() if k in ("QVL_THREADS", "QVL_JIT")}),
+        engine = Engine(settings.parse(argv, env=row_variables()),
                         ahead)
         ahead = None  # read by the first engine
         sys.setswitchinterval(cpu.SERVING_SWITCH_S)
@@ -647,6 +648,11 @@ def process_age() -> float:
     return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
 
 
+def row_variables() -> dict[str, str]:
+    """The QVL_* variables a row's engine takes from its environment (ROWS' variants); the rest are the bench's own."""
+    return {k: v for k, v in os.environ.items() if k in ("QVL_THREADS", "QVL_JIT", "QVL_INT8_KERNEL")}
+
+
 def child(args, ahead: modelcache.Reader | None):
     """One row: load through the Engine, warm up, time --runs answers, then measure fidelity against fp32's."""
     start = time.perf_counter()
@@ -655,7 +661,7 @@ def child(args, ahead: modelcache.Reader | None):
             "--model-cache-dir", args.model_cache_dir]
     # The decode kernels compile once into the app's numba cache, not in every row's background.
     os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(settings.Settings().cache_dir, "numba"))
-    engine = Engine(settings.parse(argv, env={k: v for k, v in os.environ.items() if k in ("QVL_THREADS", "QVL_JIT")}),
+    engine = Engine(settings.parse(argv, env=row_variables()),
                     ahead)
     ready_s = process_age()  # the model is in: a request could be answered, paying the first call's costs
     sys.setswitchinterval(cpu.SERVING_SWITCH_S)
@@ -714,7 +720,7 @@ sys.setswitchinterval(cpu.LOADING_SWITCH_S)  # until the engine is ready
 flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 ahead = modelcache.read_ahead(settings.parse([f for k in ("--model", "--quant", "--model-cache-dir")
                                               for f in (k, flags[k])], env={k: v for k, v in os.environ.items()
-                                                                            if k == "QVL_THREADS"}))
+                                                                            if k in ("QVL_THREADS", "QVL_INT8_KERNEL")}))
 from qvl.tools import bench
 cpu.release_collector()
 bench.main(sys.argv[1:], ahead)
