@@ -106,7 +106,7 @@ class Settings:
 
     @functools.cached_property
     def kernel(self) -> str:
-        """The concrete int8 kernel, `auto` resolved for this CPU (modes.kernel)."""
+        """The concrete int8 kernel, `auto` resolved (modes.kernel)."""
         return modes.kernel(self.int8_kernel)
 
 
@@ -141,9 +141,9 @@ _HELP = {
              "older AMD ones (Zen+, Zen 1: Ryzen 1000 and 2000, the first EPYC) and Intel's N100 to i3-N305; w8a16 "
              "on Arm (64-bit: Graviton, Ampere, Apple); fp32 on x86 without AVX2; or name one: fp32, bf16, int8, "
              "int4, w8a16, w8a14",
-    "int8_kernel": "what computes the int8 linears of int8, int4's prompts, w8a14 and the vision tower: auto picks "
-                   "onednn on CPUs with AMX (Intel Xeon from Sapphire Rapids on: prompts on its matrix units), fbgemm "
-                   "elsewhere; onednn needs AVX-512 VNNI or AMX",
+    "int8_kernel": "what computes the int8 linears of int8, int4's prompts, w8a14 and the vision tower: auto is "
+                   "fbgemm; onednn (needs AVX-512 VNNI or AMX) prefills faster on AMX's matrix units but decodes "
+                   "slower and takes more memory",
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",

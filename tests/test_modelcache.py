@@ -1,3 +1,4 @@
+import gc
 import json
 import logging
 import os
@@ -471,3 +472,16 @@ def test_a_write_removes_what_writes_by_processes_that_are_gone_left(tiny_dir, t
         left.write_bytes(b"half a model")
     modelcache._write(file, model, modelcache.key("v", "int8"))
     assert _files(tmp_path) == sorted([file.name, live.name])  # the live one may still be writing
+
+
+def test_an_onednn_start_read_ahead_from_the_model_cache_answers_as_its_first_start(tiny_dir, tmp_path, quant_flags):
+    """oneDNN's packing may keep the memory it packs from: a stored model's file, which the reader lets go once read."""
+    store = ["--model-cache-dir", str(tmp_path), *quant_flags("w8a14+onednn")[2:]]
+    want = _answer(_start(tiny_dir, "w8a14", *store))
+    ahead = modelcache.read_ahead(_settings(tiny_dir, "w8a14", *store))
+    assert ahead is not None
+    engine = Engine(_settings(tiny_dir, "w8a14", *store), ahead)
+    del ahead
+    gc.collect()
+    assert engine.settled.wait(60) and _answer(engine) == want
+    assert {m.onednn for m in engine.model.modules() if isinstance(m, quant.Int8Linear)} == {True}

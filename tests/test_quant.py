@@ -253,16 +253,9 @@ def test_w8a14s_parts_fit_the_headroom_of_fbgemms_avx2_kernel(python_child):
     assert two_parts < 1e-3 and eight_bits > 1, child.stderr[-2000:]
 
 
-@pytest.mark.parametrize("flags, kernel", [
-    (frozenset({"AVX2"}), "fbgemm"),  # Zen 2/3, Intel's AVX2 cores
-    (frozenset({"AVX2", "AVX-512", "VNNI"}), "fbgemm"),  # Ice Lake, Cascade Lake
-    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16"}), "fbgemm"),  # Zen 4/5
-    (frozenset({"AVX2", "AVX-512", "VNNI", "BF16", "AMX"}), "onednn"),  # Sapphire Rapids on: prompts on the tiles
-    (frozenset(), "fbgemm"),
-])
-def test_auto_picks_onednns_int8_kernel_on_cpus_with_amx_and_fbgemms_elsewhere(flags, kernel):
-    assert modes.kernel("auto", flags) == kernel
-    assert modes.kernel("fbgemm", flags) == "fbgemm" and modes.kernel("onednn", flags) == "onednn"
+def test_auto_is_fbgemms_int8_kernel_and_a_named_one_is_kept():
+    """oneDNN's decoded the 2B 36% slower on an AMX Xeon, in 2.2 GB more, for a prompt 21% faster."""
+    assert [modes.kernel(choice) for choice in ("auto", "fbgemm", "onednn")] == ["fbgemm", "fbgemm", "onednn"]
 
 
 @pytest.mark.parametrize("flags, refused", [(frozenset({"AVX2"}), True), (frozenset({"AVX2", "AVX-512"}), True),
@@ -278,7 +271,7 @@ def test_onednn_is_refused_at_start_where_its_8_bit_activations_would_overflow(m
     else:
         assert settings.parse(["--int8-kernel", "onednn"], env={}).kernel == "onednn"
     assert settings.parse([], env={"QVL_INT8_KERNEL": "fbgemm"}).kernel == "fbgemm"
-    assert settings.parse([], env={}).kernel == ("onednn" if "AMX" in flags else "fbgemm")
+    assert settings.parse([], env={}).kernel == "fbgemm"
 
 
 @pytest.mark.parametrize("kernels", ["torch", "jit"], indirect=True)

@@ -78,8 +78,8 @@ ROWS = {
     "auto+jemalloc": ("auto", {"LD_PRELOAD": JEMALLOC}, []),
     "auto+tcmalloc": ("auto", {"LD_PRELOAD": TCMALLOC}, []),
     "auto+1thread": ("auto", {"QVL_THREADS": "1"}, []),
-    "auto+nojit": ("auto", {"QVL_JIT": "0"}, []),
-    "auto+fbgemm": ("auto", {"QVL_INT8_KERNEL": "fbgemm"}, []),  # where auto picks oneDNN's int8 kernel: the other  # the decode step on torch's ops alone, without qvl.engine.jit's kernels
+    "auto+nojit": ("auto", {"QVL_JIT": "0"}, []),  # the decode step on torch's ops alone, without qvl.engine.jit's kernels
+    "auto+onednn": ("auto", {"QVL_INT8_KERNEL": "onednn"}, []),  # the other int8 kernel (needs VNNI or AMX)
     "auto+pinned": ("auto", {}, ["taskset", "-c", ",".join(map(str, sorted(os.sched_getaffinity(0))))]),
 }
 DEFAULT_ROWS = "fp32,bf16,bf16+compile,int8,int4,auto,auto+jemalloc"
