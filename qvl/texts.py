@@ -52,6 +52,8 @@ TEXT = {
                        "raise Max new tokens in Settings and ask again)",
         "forgotten": "⚠ The server no longer remembers the earlier messages (many visitors came after your last "
                      "one), so this starts a new conversation.",
+        "forgotten_asked": "⚠ The server forgot this conversation before it could answer (many visitors at once): "
+                           "please send your question again.",
         "stats": "first token {ttft:.2f} s · {tps:.1f} tok/s · {image_tokens} image tokens · {total:.1f} s total",
         "from_cache": "answered from cache in {elapsed:.2f} s (first computed in {total:.1f} s)",
         "truncated": "hit the max-new-tokens limit",
@@ -180,6 +182,7 @@ TEXT = {
         "thinking": "思考过程", "thought_for": "思考 {seconds:.1f} 秒",
         "thought_cut": "（模型达到最大生成 token 数时仍在思考，所以没有给出回答：请在“设置”中调大“最大生成 token 数”后再问一次）",
         "forgotten": "⚠ 服务器已不再记得之前的消息（在您上次提问后来了很多访客），以下是一个新的对话。",
+        "forgotten_asked": "⚠ 服务器在回答之前就忘记了这个对话（同时来了很多访客）：请再次发送您的问题。",
         "stats": "首个 token {ttft:.2f} 秒 · {tps:.1f} token/秒 · 图片 {image_tokens} token · "
                  "共 {total:.1f} 秒",
         "from_cache": "{elapsed:.2f} 秒内从缓存回答（首次计算用时 {total:.1f} 秒）",

@@ -304,13 +304,32 @@ def test_a_conversation_the_server_forgot_says_so_and_starts_over(browser, launc
     with launch_app("--max-sessions", "1", "--max-new-tokens", "4") as app:
         page = open_page(browser, app)
         ask_and_wait(page, "First question?", 1)
-        ask_and_wait(open_page(browser, app), "Another visitor's question?", 1)  # the one session kept is theirs
-        send(page, "Second question?")
+        other = open_page(browser, app)
+        ask_and_wait(other, "Another visitor's question?", 1)  # the one session kept is theirs
+        other.locator("#kept-list label", has_text="Another visitor's question?").wait_for(state="attached")
+        send(page, "Second question?")  # once their last step, which reads their conversation, is done
         page.wait_for_selector("#chatbot >> text=no longer remembers the earlier messages")
-        page.wait_for_function("() => !document.querySelector('#ask textarea').disabled")  # answered
+        assert "total" in answered(page)
         users = page.locator('#chatbot [data-testid="user"]').all_inner_texts()
         assert [u.strip() for u in users] == ["Second question?"]
-        assert "total" in answer(page)
+
+
+def test_a_conversation_forgotten_between_its_question_and_its_answer_says_to_ask_again(browser, launch_app):
+    with launch_app("--max-sessions", "1", "--max-new-tokens", "4") as app:
+        page, other = open_page(browser, app), open_page(browser, app)
+        held = []  # the answer step's request, held until the other visitor has taken the one session kept
+        page.route("**/queue/join*", lambda route: held.append(route))
+        send(page, "A question?")
+        page.wait_for_selector('#chatbot [data-testid="user"]')
+        page.wait_for_timeout(300)
+        assert len(held) == 1
+        ask_and_wait(other, "Another visitor's question?", 1)
+        held[0].continue_()
+        page.unroute("**/queue/join*")
+        page.wait_for_selector("#chatbot >> text=forgot this conversation before it could answer")
+        page.wait_for_function("() => !document.querySelector('#ask textarea').disabled")
+        assert page.locator('#chatbot [data-testid="user"]').count() == 0
+        ask_and_wait(page, "A question?", 1)  # asked again, it is answered
 
 
 def test_a_conversation_is_kept_in_the_browser_through_a_reload_and_its_json_brings_it_back(browser, engine,

@@ -161,7 +161,12 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
 
         async def respond(request: gr.Request, conversation: list, use_cache: bool, *values):
             lang, session = texts.language(request), request.session_hash
-            if not conversation or not conversation[-1].get("pending"):
+            if not conversation:  # past --max-sessions Gradio dropped the state between the question and this step
+                conversation = [{"role": "assistant", "text": "", "images": [], "failed": True,
+                                 "note": texts.say(lang, "forgotten_asked")}]
+                yield conversation, render(conversation)
+                return
+            if not conversation[-1].get("pending"):
                 yield gr.skip(), gr.skip()
                 return
             stop = stops.setdefault(session, asyncio.get_running_loop().create_future())  # Stop may come first
