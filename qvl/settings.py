@@ -142,8 +142,8 @@ _HELP = {
              "on Arm (64-bit: Graviton, Ampere, Apple); fp32 on x86 without AVX2; or name one: fp32, bf16, int8, "
              "int4, w8a16, w8a14",
     "int8_kernel": "what computes the int8 linears of int8, int4's prompts, w8a14 and the vision tower: auto is "
-                   "fbgemm; onednn (needs AVX-512 VNNI or AMX) prefills faster on AMX's matrix units but decodes "
-                   "slower and takes more memory",
+                   "onednn on CPUs with AMX (prompts on its matrix units, 4-5x fbgemm's speed there) and fbgemm "
+                   "elsewhere; onednn needs AVX-512 VNNI or AMX",
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",

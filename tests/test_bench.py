@@ -36,15 +36,16 @@ ONEDNN_ROW = ["auto+onednn"] if modes.onednn_fits() and not cpu.arm() else []
 def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows", "fp32,auto,auto-warm,auto+nojit"
+        [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows", "fp32,auto,auto-warm,auto+nojit,auto+fbgemm"
          + "".join("," + row for row in ONEDNN_ROW), "--runs", "1", "--json", str(out), "--scenarios", "regenerate"], capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["machine"]["bandwidth_gb_s"] > 0
-    assert [r["name"] for r in data["rows"]] == ["fp32", "auto", "auto-warm", "auto+nojit", *ONEDNN_ROW]
-    assert [r["jit"] for r in data["rows"]] == [True, True, True, False, *[True] * len(ONEDNN_ROW)]  # QVL_JIT=0
-    assert all("oneDNN int8" in r["precision"] for r in data["rows"][4:])  # and QVL_INT8_KERNEL reach the row
+    assert [r["name"] for r in data["rows"]] == ["fp32", "auto", "auto-warm", "auto+nojit", "auto+fbgemm", *ONEDNN_ROW]
+    assert [r["jit"] for r in data["rows"]] == [True, True, True, False, True, *[True] * len(ONEDNN_ROW)]  # QVL_JIT=0
+    # and QVL_INT8_KERNEL reach the row
+    assert "oneDNN" not in data["rows"][4]["precision"] and all("oneDNN int8" in r["precision"] for r in data["rows"][5:])
     # Where the kernels ran, the step is timed on torch's ops alone beside them.
     assert ["step_torch_ms" in r for r in data["rows"]][:4] == [True, True, True, False]
     for row in data["rows"]:
@@ -158,20 +159,25 @@ def test_fidelity_of_int4_goes_through_its_decode_kernel(tiny_dir, monkeypatch):
 def test_kernels_time_each_way_to_read_a_linear():
     engine = torch.backends.quantized.engine
     rows = bench.kernels(out_features=64, in_features=128, copies=2, repeats=1, prompt_rows=8)
-    assert [r["kernel"] for r in rows] == ["fbgemm int8", "oneDNN int8 (torch's other int8 engine)",
+    assert [r["kernel"] for r in rows] == ["fbgemm int8", "oneDNN int8",
                                            "int4 g128, bf16 activations", "int8 weight-only, bf16 activations",
                                            "int8 weight-only, fp32 activations", "bf16", "fp32"]
     assert all(r["ms"] > 0 and r["weights_gb_s"] > 0 and r["prompt_gflop_s"] > 0 for r in rows)
     assert torch.backends.quantized.engine == engine  # oneDNN's packing leaves fbgemm the engine of everything else
 
 
-def test_the_onednn_way_computes_the_same_linear():
+@pytest.mark.parametrize("kernel", ["fbgemm", "onednn"])
+def test_each_int8_way_computes_the_same_linear_in_its_kernels_layout(kernel):
+    if kernel == "onednn" and (cpu.arm() or not modes.onednn_fits()):
+        pytest.skip("oneDNN's int8 kernel needs AVX-512 VNNI or AMX")
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 64, bias=False)
-    x = torch.randn(1, 128)
-    onednn = torch.ops.quantized.linear_dynamic(x, bench._onednn_int8(linear), True)  # 7 bits, as fbgemm
-    error = (onednn - linear(x)).norm() / linear(x).norm()
-    assert error < 0.02, error
+    int8 = bench._int8_linear(linear, kernel)
+    assert int8.onednn == (kernel == "onednn") and len(int8.parts) == 1
+    for rows in (1, 300):
+        x = torch.randn(rows, 128)
+        error = (int8(x) - linear(x)).norm() / linear(x).norm()
+        assert error < 0.02, error
 
 
 def test_the_kernels_flag_prints_its_table():

@@ -40,11 +40,13 @@ def resolve(mode: str, flags: frozenset[str] | None = None, halves: bool | None 
 KERNELS = ("fbgemm", "onednn")
 
 
-def kernel(choice: str) -> str:
-    """The int8 kernel a choice stands for: `auto` is fbgemm's on every CPU. On an AMX Xeon oneDNN's ran the 2B's
-    prompt 21% faster, on the tiles, but decoded 36% slower and took 2.2 GB more memory (docs/quantization.md, "The
-    int8 kernel")."""
-    return "fbgemm" if choice == "auto" else choice
+def kernel(choice: str, flags: frozenset[str] | None = None) -> str:
+    """The int8 kernel a choice stands for on a CPU with these instruction sets (default: this CPU's): `auto` is
+    oneDNN's on CPUs with AMX, whose tiles ran a 2B-shaped prompt at 4-5 TFLOP/s against fbgemm's ~0.8 and read a
+    decode row as fast; fbgemm's elsewhere (docs/quantization.md, "The int8 kernel")."""
+    if choice != "auto":
+        return choice
+    return "onednn" if "AMX" in (cpu.flags() if flags is None else flags) else "fbgemm"
 
 
 def onednn_fits(flags: frozenset[str] | None = None) -> bool:

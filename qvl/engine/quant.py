@@ -433,36 +433,54 @@ class Int8WeightOnly(_Apart):
 
 
 def _dynamic(x: torch.Tensor, part, onednn: bool) -> torch.Tensor:
-    """The kernel's linear of x, quantized at the scale its peak sets (fbgemm's 7 bits, oneDNN's 8)."""
-    return torch.ops.quantized.linear_dynamic(x, part, not onednn)
+    """The kernel's linear of x, quantized at the scale its peak sets (fbgemm's 7 bits, oneDNN's 8, symmetric)."""
+    if not onednn:
+        return torch.ops.quantized.linear_dynamic(x, part, True)
+    level = x.abs().amax().clamp_(min=torch.finfo(x.dtype).tiny).item() / 127
+    return _onednn(torch.quantize_per_tensor(x, level, 128, torch.quint8).int_repr(), level, 128, part)
 
 
 def _whole_numbers(x: torch.Tensor, part, onednn: bool) -> torch.Tensor:
-    """The kernel's linear of x, whole numbers in [-63, 63], quantized at scale 1: exactly, so both kernels give the
-    same numbers. oneDNN's has no call at a given scale: one more row spanning [-128, 127] sets its dynamic scale to
-    1 (zero point 128), at the cost of a row in a call bound by reading the weights."""
+    """The kernel's linear of x rounded to whole numbers in [-63, 63], quantized at scale 1: exactly, so both kernels
+    give the same numbers."""
     if not onednn:
         return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 64, part)
-    return torch.ops.quantized.linear_dynamic(torch.cat([x, _span(x.shape[1])]), part, False)[:-1]
+    return _onednn(torch.quantize_per_tensor(x, 1.0, 64, torch.quint8).int_repr(), 1.0, 64, part)
+
+
+def _onednn(q: torch.Tensor, scale: float, zero_point: int, part) -> torch.Tensor:
+    """oneDNN's int8 linear of q (uint8 levels of scale, zero_point) into fp32, before the rows' scales."""
+    rows, out_features = q.reshape(-1, q.shape[-1]), part.shape[1]  # packed as in x out
+    y = torch.ops.onednn.qlinear_pointwise(rows, scale, zero_point, part, _ones(out_features), _zeros(out_features),
+                                           None, 1.0, 0, torch.float32, "none", [], "")
+    return y.view(*q.shape[:-1], out_features)
 
 
 @functools.cache
-def _span(width: int) -> torch.Tensor:
-    row = torch.zeros(1, width)
-    row[0, :2] = torch.tensor([-128.0, 127.0])
-    return row
+def _ones(size: int) -> torch.Tensor:
+    return torch.ones(size)
+
+
+@functools.cache
+def _zeros(size: int) -> torch.Tensor:
+    return torch.zeros(size, dtype=torch.long)
 
 
 def _pack(values: torch.Tensor):
     # At scale 1: a per-channel weight costs fbgemm's prepack a fifth of its time reading each row's scale and zero
     # point, where the rows' scales multiply each call's output for ~2% of a decode step.
-    if torch.backends.quantized.engine == "onednn":  # it may keep the values' memory, a stored model's file
-        values = values.clone()
+    if torch.backends.quantized.engine == "onednn":
+        # oneDNN's own int8 linear (the one torch.compile emits), not quantized.linear_prepack's oneDNN weight, which
+        # keeps the values beside what it packs (2.2 GB more for the 2B). The copy: its packing may keep the memory
+        # it packs from, which may be a stored model's file.
+        return torch.ops.onednn.qlinear_prepack(values.clone(), None)
     return torch.ops.quantized.linear_prepack(at_scale_one(values), None)
 
 
 def _values(part) -> torch.Tensor:
-    """The int8 values fbgemm's packed part holds (a copy)."""
+    """The int8 values a packed part holds (a copy)."""
+    if isinstance(part, torch.Tensor):  # oneDNN's, laid out in x out
+        return part.to_dense().t().contiguous()
     return torch.ops.quantized.linear_unpack(part)[0].int_repr()
 
 

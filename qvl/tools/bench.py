@@ -79,7 +79,9 @@ ROWS = {
     "auto+tcmalloc": ("auto", {"LD_PRELOAD": TCMALLOC}, []),
     "auto+1thread": ("auto", {"QVL_THREADS": "1"}, []),
     "auto+nojit": ("auto", {"QVL_JIT": "0"}, []),  # the decode step on torch's ops alone, without qvl.engine.jit's kernels
-    "auto+onednn": ("auto", {"QVL_INT8_KERNEL": "onednn"}, []),  # the other int8 kernel (needs VNNI or AMX)
+    # Each int8 kernel, whichever auto picks here (oneDNN's needs VNNI or AMX).
+    "auto+fbgemm": ("auto", {"QVL_INT8_KERNEL": "fbgemm"}, []),
+    "auto+onednn": ("auto", {"QVL_INT8_KERNEL": "onednn"}, []),
     "auto+pinned": ("auto", {}, ["taskset", "-c", ",".join(map(str, sorted(os.sched_getaffinity(0))))]),
 }
 DEFAULT_ROWS = "fp32,bf16,bf16+compile,int8,int4,auto,auto+jemalloc"
@@ -423,9 +425,8 @@ def kernels(out_features: int = 6144, in_features: int = 2048, copies: int = 24,
     scale = w.abs().amax(1) / 127
     q = (w / scale[:, None]).round().to(torch.int8)
     candidates = {  # name -> (make one copy of the weights, call it on x, weight bytes)
-        "fbgemm int8": (lambda: quant._dynamic_int8(linear), lambda m, x: m(x), 1),
-        "oneDNN int8 (torch's other int8 engine)": (lambda: _onednn_int8(linear),
-                                                    lambda m, x: torch.ops.quantized.linear_dynamic(x, m, True), 1),
+        "fbgemm int8": (lambda: _int8_linear(linear, "fbgemm"), lambda m, x: m(x), 1),
+        "oneDNN int8": (lambda: _int8_linear(linear, "onednn"), lambda m, x: m(x), 1),
         "int4 g128, bf16 activations": (lambda: quant.Int4Linear.quantize(linear, prefill=False),
                                         lambda m, x: m(x), 0.5),
         "int8 weight-only, bf16 activations": (lambda: (q.clone(), scale.bfloat16()),
@@ -459,12 +460,15 @@ def kernels(out_features: int = 6144, in_features: int = 2048, copies: int = 24,
     return rows
 
 
-def _onednn_int8(linear: torch.nn.Linear):
-    """The linear's int8 weight packed by torch's oneDNN engine (its dynamic linear is chosen by the packed type)."""
-    weight, engine = quant._dynamic_int8(linear).weight(), torch.backends.quantized.engine
-    torch.backends.quantized.engine = "onednn"
+def _int8_linear(linear: torch.nn.Linear, kernel: str) -> quant.Int8Linear:
+    """The linear as Int8Linear packed for kernel, settled into the pieces it serves in."""
+    engine = torch.backends.quantized.engine
+    quant.use_kernel(kernel)
     try:
-        return torch.ops.quantized.linear_prepack(weight, None)
+        int8 = quant._dynamic_int8(linear)
+        while int8.settle():
+            pass
+        return int8
     finally:
         torch.backends.quantized.engine = engine
 
