@@ -45,6 +45,7 @@ class Settings:
     require_model: bool = False
     quant: str = "auto"
     int8_kernel: str = "auto"  # what packs and computes the int8 linears (modes.kernel)
+    vision_dtype: str = "auto"  # what a quantized mode's vision tower computes in (modes.vision)
     threads: int = field(default_factory=cpu.available_cores)
     # torch fixes the inter-op pool at its first parallel op, so this one needs a restart.
     interop_threads: int = 1
@@ -109,6 +110,11 @@ class Settings:
         """The concrete int8 kernel, `auto` resolved (modes.kernel)."""
         return modes.kernel(self.int8_kernel)
 
+    @functools.cached_property
+    def vision(self) -> str:
+        """The concrete dtype of the vision tower, `auto` resolved for this mode and CPU (modes.vision)."""
+        return modes.vision(self.vision_dtype, self.mode)
+
 
 QUANT_MODES = ("auto", *modes.MODES)
 # The values each numeric setting may take, (lowest, highest or None); the settings tab's controls take theirs from
@@ -144,6 +150,9 @@ _HELP = {
     "int8_kernel": "what computes the int8 linears of int8, int4's prompts, w8a14 and the vision tower: auto is "
                    "onednn on CPUs with AMX (prompts on its matrix units, 4-5x fbgemm's speed there) and fbgemm "
                    "elsewhere; onednn needs AVX-512 VNNI or AMX",
+    "vision_dtype": "what a quantized mode's vision tower computes in: auto is bf16 on CPUs with AMX (its int8 "
+                    "weights converted for each image, twice as fast there) and fp32 elsewhere; fp32 and bf16 modes "
+                    "compute it in their own",
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",
@@ -259,6 +268,8 @@ def _value(name: str, kind: type, text: str):
     if name == "quant" and text in modes.FBGEMM and cpu.arm():
         raise argparse.ArgumentTypeError(f"{text} computes with fbgemm, which PyTorch builds for x86 CPUs only; on this "
                                          "Arm CPU use auto (w8a16), w8a16, bf16 or fp32")
+    if name == "vision_dtype" and text not in ("auto", *modes.VISION_DTYPES):
+        raise argparse.ArgumentTypeError(f"{text} is not one of auto, {', '.join(modes.VISION_DTYPES)}")
     if name == "int8_kernel" and text not in ("auto", *modes.KERNELS):
         raise argparse.ArgumentTypeError(f"{text} is not one of auto, {', '.join(modes.KERNELS)}")
     if name == "int8_kernel" and text == "onednn" and (cpu.arm() or not modes.onednn_fits()):

@@ -109,13 +109,15 @@ def onednn():
 
 @pytest.fixture
 def quant_flags():
-    """quant_flags(mode): an engine's flags for "w8a14" (fbgemm's int8 linears, whatever auto picks here) or
-    "w8a14+onednn" (oneDNN's, the test skipped where this CPU cannot run them)."""
+    """quant_flags(mode): an engine's flags for "w8a14" (fbgemm's int8 linears and an fp32 vision tower, whatever
+    auto picks here), "w8a14+onednn" (oneDNN's, the test skipped where this CPU cannot run them) or
+    "w8a14+bf16-vision" (the vision tower in bf16)."""
     def flags(mode: str) -> list[str]:
-        mode, _, kernel = mode.partition("+")
-        if kernel == "onednn":
+        mode, *variants = mode.split("+")
+        if "onednn" in variants:
             _skip_without_onednn()
-        return ["--quant", mode, "--int8-kernel", kernel or "fbgemm"]
+        return ["--quant", mode, "--int8-kernel", "onednn" if "onednn" in variants else "fbgemm",
+                "--vision-dtype", "bf16" if "bf16-vision" in variants else "fp32"]
     return flags
 
 

@@ -142,7 +142,7 @@ def _distance(picks: Picks, reference: Picks, seeds) -> float:
     return float(torch.stack(errors).mean())
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14", "w8a14+onednn"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14", "w8a14+onednn", "w8a14+bf16-vision"])
 def test_each_quantized_mode_is_no_farther_from_fp32_in_a_batch_than_alone(tiny_dir, tmp_path, monkeypatch, quant_flags,
                                                                             mode):
     """Teacher-forced over fp32's answers: the same tokens fed, so the logits compare position by position."""

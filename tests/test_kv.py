@@ -216,7 +216,7 @@ def fp32_scenarios(engine):
     return first, bench.scenarios(engine, bench.SCENARIOS, first)[1]
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14", "w8a14+onednn"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a16", "w8a14", "w8a14+onednn", "w8a14+bf16-vision"])
 def test_in_every_quantized_mode_reuse_is_no_farther_from_fp32_than_cold(make_engine, fp32_scenarios, quant_flags,
                                                                         mode):
     """A follow-up, a seen image and Regenerate answered from kept caches: their logits against fp32's are at least

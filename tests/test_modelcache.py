@@ -26,8 +26,7 @@ PARAMS = GenParams(greedy=True, max_new_tokens=12, min_new_tokens=12)
 
 def _start(tiny_dir, mode, *flags):
     """An engine, once a first start has kept its converted model (in the background, once loaded)."""
-    engine = Engine(settings.parse(["--model", str(tiny_dir), "--quant", mode, "--no-cache", "--feature-cache-size",
-                                    "0", *flags], env={}))
+    engine = Engine(_settings(tiny_dir, mode, *flags))
     assert engine.settled.wait(60)
     return engine
 
@@ -149,8 +148,10 @@ def test_a_start_says_how_far_it_is_converting_first_then_reading(tiny_dir, tmp_
 
 
 def _settings(tiny_dir, mode, *flags):
+    """A start's settings; its vision tower in fp32 unless flags say otherwise, whatever auto picks here."""
+    vision = [] if "--vision-dtype" in flags else ["--vision-dtype", "fp32"]
     return settings.parse(["--model", str(tiny_dir), "--quant", mode, "--no-cache", "--feature-cache-size", "0",
-                           *flags], env={})
+                           *vision, *flags], env={})
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "w8a16"])
@@ -215,7 +216,7 @@ from qvl import settings
 from qvl.engine import modelcache, quant
 real, big = quant.Int8Linear.__init__, torch.ones(1500, 1500)
 quant.Int8Linear.__init__ = lambda self, *a, **k: (big @ big, real(self, *a, **k))[1]  # each pack a while in torch
-ahead = modelcache.read_ahead(settings.parse(["--model", sys.argv[1], "--quant", "int8",
+ahead = modelcache.read_ahead(settings.parse(["--model", sys.argv[1], "--quant", "int8", "--vision-dtype", "fp32",
                                               "--model-cache-dir", sys.argv[2]], env={}))
 print("reading:", ahead is not None, "transformers imported:", any(m.startswith("transformers") for m in sys.modules))
 if sys.argv[3] == "finish":
@@ -485,3 +486,22 @@ def test_an_onednn_start_read_ahead_from_the_model_cache_answers_as_its_first_st
     gc.collect()
     assert engine.settled.wait(60) and _answer(engine) == want
     assert {m.onednn for m in engine.model.modules() if isinstance(m, quant.Int8Linear)} == {True}
+
+
+def test_a_bf16_vision_tower_has_a_file_of_its_own_and_a_later_start_answers_about_an_image_as_the_first(
+        tiny_dir, tmp_path, converting):
+    """Its vision linears are stored in another form (int8 weights that it reads as bf16): a start with the other
+    tower converts its own, and each later start reads the one it needs."""
+    from qvl.tools import bench
+
+    request = [Turn("user", "what is this?", (bench.photo(),))]
+    answers = {}
+    for vision in ("bf16", "fp32", "bf16", "fp32"):
+        engine = _start(tiny_dir, "w8a14", "--model-cache-dir", str(tmp_path), "--vision-dtype", vision)
+        *pieces, stats = engine.chat(request, PARAMS)
+        assert answers.setdefault(vision, "".join(pieces)) == "".join(pieces)
+        visual = {type(m) for m in engine.model.model.visual.modules() if isinstance(m, quant.Stored)}
+        assert visual == ({quant.Int8WeightOnly} if vision == "bf16" else {quant.Int8Linear})
+        engine.close()
+    assert len(converting) == 2 and len(_files(tmp_path)) == 2
+    assert any("+bf16-vision-" in name for name in _files(tmp_path))

@@ -672,3 +672,53 @@ def test_every_quantized_layer_built_from_its_stored_tensors_answers_exactly_as_
     if mode == "w8a14":  # what it adds to int8's layers came back too
         int8 = [layer for layer in layers.values() if isinstance(layer, quant.Int8Linear)]
         assert any(layer.two_part for layer in int8) and any(layer.weight_parts == 2 for layer in int8)
+
+
+@pytest.mark.parametrize("flags, auto", [(frozenset({"AVX2"}), "fp32"), (frozenset({"AVX2", "AVX-512", "VNNI", "BF16"}), "fp32"),
+                                         (frozenset({"AVX2", "AVX-512", "VNNI", "BF16", "AMX"}), "bf16")])
+def test_auto_computes_a_quantized_vision_tower_in_bf16_on_amx_and_fp32_elsewhere(flags, auto):
+    """On an AMX Xeon the 2B's tower ran twice as fast in bf16 (its matmuls and attention on the tiles); AVX-512 BF16
+    without AMX is unmeasured, and elsewhere bf16 is emulated. fp32 and bf16 keep their own dtype."""
+    assert [modes.vision("auto", mode, flags) for mode in ("w8a14", "int8", "int4", "w8a16")] == [auto] * 4
+    assert [modes.vision(choice, "w8a14", flags) for choice in ("fp32", "bf16")] == ["fp32", "bf16"]
+    assert [modes.vision(choice, mode, flags) for choice in ("auto", "fp32", "bf16")
+            for mode in ("fp32", "bf16")] == ["fp32", "bf16"] * 3
+
+
+@pytest.mark.parametrize("mode", ["w8a14", "int4"])
+def test_a_bf16_vision_tower_computes_in_bf16_says_so_and_is_no_farther_from_fp32_than_the_fp32_tower(
+        tiny_dir, tmp_path, mode):
+    """--vision-dtype bf16: the tower's linears read their int8 weights as bf16, and its blocks compute in bf16;
+    the precision (the answer and feature caches' key) names it, and the logits for the standard request, fed fp32's
+    answer, are no farther from fp32's than with the tower in fp32 around its int8 linears."""
+    request = [Turn("user", bench.QUESTION, (bench.photo(),))]
+
+    def answer(*flags, tokens=None):
+        engine = Engine(settings.parse(["--model", str(tiny_dir), "--no-cache", "--no-model-cache", "--cache-dir",
+                                        str(tmp_path), "--kv-memory", "0", *flags], env={}))
+        dtypes = []
+        engine.model.model.visual.blocks[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+        logits, _, tokens = bench.forced_chat(engine, request, tokens, 12)
+        engine.close()
+        return logits, tokens, engine.precision, set(dtypes)
+
+    want, tokens, _, _ = answer("--quant", "fp32")
+    ours, _, precision, dtypes = answer("--quant", mode, "--vision-dtype", "bf16", tokens=tokens)
+    assert "vision tower in bf16" in precision and dtypes == {torch.bfloat16}
+    theirs, _, precision, dtypes = answer("--quant", mode, "--vision-dtype", "fp32", tokens=tokens)
+    assert "vision tower" not in precision and dtypes == {torch.float32}
+    near, far = bench.fidelity(ours, want)["sqnr_db"], bench.fidelity(theirs, want)["sqnr_db"]
+    assert 60 > near >= far - 0.1, (near, far)
+
+
+def test_int8_weights_read_as_bf16_compute_the_bf16_linear_of_their_dequantized_weights():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 64)
+    layer = quant.Int8WeightOnly.quantize(linear)
+    layer.bias.data = layer.bias.data.bfloat16()
+    x = torch.randn(300, 256).bfloat16()
+    dequantized = layer.int8_weight.float() * layer.scale.float()[:, None]
+    want = torch.nn.functional.linear(x.float(), dequantized, linear.bias.detach())
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    assert ((y.float() - want).norm() / want.norm()) < 0.01

@@ -30,9 +30,9 @@ def unreported(phase: str, done: float | None):
     """How far a load is, for a load that nobody watches: phase (what it does) and the fraction done, None if unknown."""
 
 
-def load_model(source: str, mode: str, report=unreported) -> nn.Module:
-    """The model of source (a checkpoint folder) in `mode` (modes.describe() says what that is); report is told how
-    far it is, as unreported is."""
+def load_model(source: str, mode: str, report=unreported, vision: str = "fp32") -> nn.Module:
+    """The model of source (a checkpoint folder) in `mode`, its vision tower computing in `vision` (modes.describe()
+    says what that is); report is told how far it is, as unreported is."""
     from transformers import AutoModelForImageTextToText
 
     from qvl.engine import lean
@@ -45,6 +45,8 @@ def load_model(source: str, mode: str, report=unreported) -> nn.Module:
         lean.fuse(model)
         return model
     convert = {"int8": _int8, "w8a14": _w8a14, "int4": _int4, "w8a16": _w8a16}[mode]
+    if vision == "bf16":
+        convert = functools.partial(_bf16_vision, convert)
     try:
         model = _load_converting(source, convert, report)
     except KeyError as e:  # a layout this loader does not know: convert after a whole bf16 load (more memory)
@@ -58,6 +60,9 @@ def load_model(source: str, mode: str, report=unreported) -> nn.Module:
     # bf16 gather (fp32 would add 1.2 GB for a lookup of one row per token).
     text.embed_tokens = quant.Bf16Embedding(text.embed_tokens.weight)
     _float_rest(model)
+    if vision == "bf16":  # its float parameters; buffers stay (the rotary frequencies are fp32 in a bf16 model too)
+        for param in model.model.visual.parameters():
+            param.data = param.data.bfloat16()
     if mode == "w8a14":
         in_two_parts(model)
     set_loud_channels_apart(model, source)
@@ -90,6 +95,11 @@ def _int4(name: str, linear: nn.Linear) -> nn.Module:
 
 def _w8a16(name: str, linear: nn.Linear) -> nn.Module:
     return quant.Int8WeightOnly.quantize(linear)
+
+
+def _bf16_vision(convert, name: str, linear: nn.Linear) -> nn.Module:
+    """convert's layer, but int8 weights that a bf16 tower reads as bf16 (Int8WeightOnly) in the vision tower."""
+    return _w8a16(name, linear) if name.startswith("model.visual.") else convert(name, linear)
 
 
 def in_two_parts(model: nn.Module):

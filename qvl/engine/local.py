@@ -161,7 +161,7 @@ class Engine:
             log.warning("--quant %s on a CPU without bf16 instructions: its bf16 matmuls are emulated, several times "
                         "slower than int8 (what auto picks here)", mode)
         quant.use_kernel(self.settings.kernel)
-        self.precision = modes.describe(mode, self.settings.kernel)
+        self.precision = modes.describe(mode, self.settings.kernel, self.settings.vision)
         self.model_id = source
         limit = AutoConfig.from_pretrained(self.folder).text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context, limit)
@@ -173,7 +173,8 @@ class Engine:
 
     def _load(self):
         store = self.settings.model_cache_dir if self.settings.model_cache else None
-        self.model, keep = modelcache.load(self.folder, self.mode, self.weights, store, self._ahead, self._report)
+        self.model, keep = modelcache.load(self.folder, self.mode, self.weights, store, self._ahead, self._report,
+                                           self.settings.vision)
         self._ahead = None  # read: its packed weights are the model's now
         if self.scheduler is not None:
             self.scheduler.interleave([*self.model.model.visual.blocks, *self.model.model.language_model.layers])

@@ -102,12 +102,13 @@ def weight_count(folder: str) -> int:
     return count
 
 
-def key(weights: str, mode: str) -> dict[str, str]:
-    return {"weights": weights, "mode": mode, "layout": LAYOUT, "torch": torch.__version__}
+def key(weights: str, mode: str, vision: str = "fp32") -> dict[str, str]:
+    return {"weights": weights, "mode": mode, "vision": vision, "layout": LAYOUT, "torch": torch.__version__}
 
 
-def path(folder: str, weights: str, mode: str) -> Path:
-    return Path(folder) / f"{mode}-{weights}.safetensors"
+def path(folder: str, weights: str, mode: str, vision: str = "fp32") -> Path:
+    """The file of a mode's model, whose vision tower computes in vision (a bf16 tower is stored otherwise)."""
+    return Path(folder) / f"{mode}{'+bf16-vision' if vision == 'bf16' else ''}-{weights}.safetensors"
 
 
 def read_ahead(settings) -> "Reader | None":
@@ -124,26 +125,28 @@ def read_ahead(settings) -> "Reader | None":
         quant.use_kernel(settings.kernel)  # before its packers start
         # As many packers as the engine will have threads: torch's default before the engine sets it is every core
         # the machine has, more than a container may use.
-        return Reader(path(settings.model_cache_dir, weights, mode), key(weights, mode), settings.threads)
+        return Reader(path(settings.model_cache_dir, weights, mode, settings.vision),
+                      key(weights, mode, settings.vision), settings.threads)
     except Exception:
         return None
 
 
 def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reader | None" = None,
-         report=checkpoint.unreported):
-    """(model, keep): checkpoint.load_model(source, mode, report), read from the model cache in folder when it
-    holds this model (None: off), through ahead when that is reading this model's file.
+         report=checkpoint.unreported, vision: str = "fp32"):
+    """(model, keep): checkpoint.load_model(source, mode, report, vision), read from the model cache in folder when
+    it holds this model (None: off), through ahead when that is reading this model's file.
 
     keep is None, or, after converting, keep(go_on) writes the converted model to the model cache: fbgemm unpacks
     every weight for it (a minute on 2 cores for the 2B), so the engine runs it once it serves; go_on() is asked
     before each tensor, may wait, and ends the write without a file when it returns False."""
     modes.assert_concrete(mode)
-    file, want = (None, None) if folder is None else (path(folder, weights, mode), key(weights, mode))
+    file, want = (None, None) if folder is None else (path(folder, weights, mode, vision),
+                                                      key(weights, mode, vision))
     if ahead is not None and ahead.file != file:
         ahead.close()  # not what this start loads after all
         ahead = None
     if folder is None or mode in ("fp32", "bf16"):
-        return checkpoint.load_model(source, mode, report), None
+        return checkpoint.load_model(source, mode, report, vision), None
     if file.exists():
         try:
             model = _read(ahead or Reader(file, want), source, report)
@@ -155,7 +158,7 @@ def load(source: str, mode: str, weights: str, folder: str | None, ahead: "Reade
                         file, type(e).__name__, str(e)[:200])
     log.info("converting the checkpoint to %s (%s weights), once: later starts read %s", mode,
              f"{weight_count(source):,}", file)
-    model = checkpoint.load_model(source, mode, report)
+    model = checkpoint.load_model(source, mode, report, vision)
 
     def keep(go_on):
         try:

@@ -49,6 +49,23 @@ def kernel(choice: str, flags: frozenset[str] | None = None) -> str:
     return "onednn" if "AMX" in (cpu.flags() if flags is None else flags) else "fbgemm"
 
 
+# The dtypes a quantized mode's vision tower may compute in, as --vision-dtype names them; `auto` stands for one.
+VISION_DTYPES = ("fp32", "bf16")
+
+
+def vision(choice: str, mode: str, flags: frozenset[str] | None = None) -> str:
+    """The dtype the vision tower of `mode` computes in on a CPU with these instruction sets (default: this CPU's):
+    fp32 and bf16 compute it in their own; a quantized mode in fp32 around its int8 linears, or wholly in bf16, its
+    linears' int8 weights converted to bf16 for each image. `auto` is bf16 on CPUs with AMX, whose tiles ran the 2B's
+    tower twice as fast so, attention included; fp32 elsewhere, where bf16 is slower or emulated
+    (docs/quantization.md, "The vision tower")."""
+    if mode in ("fp32", "bf16"):
+        return mode
+    if choice != "auto":
+        return choice
+    return "bf16" if "AMX" in (cpu.flags() if flags is None else flags) else "fp32"
+
+
 def onednn_fits(flags: frozenset[str] | None = None) -> bool:
     """Whether oneDNN's int8 kernel takes 8-bit activations exactly here: with VNNI or AMX it adds int8 products in
     32 bits, where AVX2 alone pairs them into 16 bits that a full 8-bit activation overflows."""
@@ -66,9 +83,10 @@ def native_bf16(flags: frozenset[str] | None = None) -> bool:
     return bool((cpu.flags() if flags is None else flags) & {"BF16", "AMX"})
 
 
-def describe(mode: str, int8_kernel: str = "fbgemm") -> str:
-    """The precision/quantization of a concrete mode whose int8 linears are int8_kernel's, as the engine reports it
-    (and puts in its identity: oneDNN quantizes a prompt's activations to 8 bits where fbgemm takes 7)."""
+def describe(mode: str, int8_kernel: str = "fbgemm", vision_dtype: str = "fp32") -> str:
+    """The precision/quantization of a concrete mode whose int8 linears are int8_kernel's and whose vision tower
+    computes in vision_dtype, as the engine reports it (and puts in its identity: oneDNN quantizes a prompt's
+    activations to 8 bits where fbgemm takes 7, and a bf16 tower makes other image features)."""
     text = {
         # Part of the answer cache's key: it names what changes answers (the activation scale per token, too).
         "int8": "int8: fbgemm dynamic int8 linears and head, a scale per token, loud text channels apart, "
@@ -80,4 +98,7 @@ def describe(mode: str, int8_kernel: str = "fbgemm") -> str:
         "w8a14": "w8a14: fbgemm int8 linears and head, a scale per token, decode rows in two parts (14 bits), "
                  "loud text channels apart, embedding bf16",
     }.get(mode, mode)
-    return text.replace("fbgemm", "oneDNN") if int8_kernel == "onednn" else text
+    text = text.replace("fbgemm", "oneDNN") if int8_kernel == "onednn" else text
+    if vision_dtype == "bf16" and mode not in ("fp32", "bf16"):
+        text += "; vision tower in bf16, its int8 weights converted per image"
+    return text

@@ -420,6 +420,8 @@ class Int8WeightOnly(_Apart):
         self.int8_weight[:, channels] = 0  # their part comes from columns alone
 
     def forward(self, x):
+        if x.dtype == torch.bfloat16:  # a tower that computes in bf16 (--vision-dtype): the weights in bf16 for a call
+            return F.linear(x, self.int8_weight.to(torch.bfloat16).mul_(self.scale[:, None]), self.bias)
         rows = x.reshape(-1, self.in_features)
         flat = rows.bfloat16()
         if flat.shape[0] <= W8A16_ROWS:
