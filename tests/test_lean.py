@@ -42,13 +42,27 @@ def _spy(monkeypatch) -> list:
     return calls
 
 
-def test_every_text_layer_is_fused_and_the_vision_tower_left_alone(engine):
+def test_every_text_layer_is_fused_and_the_vision_tower_only_embeds_its_patches_as_a_matmul(engine):
     model = engine.model
     for layer in model.model.language_model.layers:
         assert isinstance(layer.self_attn, lean.Attention) and isinstance(layer.mlp, lean.MLP)
     names = {name.rpartition(".")[2] for name, _ in model.named_modules()}
     assert {"qkv_proj", "gate_up_proj"} <= names and not {"q_proj", "k_proj", "gate_proj", "up_proj"} & names
     assert any(isinstance(m, nn.Linear) for m in model.model.visual.modules())
+    assert isinstance(model.model.visual.patch_embed, lean.PatchEmbed)
+    assert "model.visual.patch_embed.proj.weight" in model.state_dict()  # the checkpoint's names stay
+
+
+def test_the_patch_embedding_as_a_matmul_gives_transformers_image_features(engine, plain, prompt):
+    """fp32: what the tower makes of an image, deepstack features included, is transformers' own (its conv), within
+    the order a matmul sums in."""
+    assert not isinstance(plain.model.visual.patch_embed, lean.PatchEmbed)
+    with torch.inference_mode():
+        ours, theirs = (model.model.visual(prompt["pixel_values"], grid_thw=prompt["image_grid_thw"])
+                        for model in (engine.model, plain))
+    for mine, want in zip([ours.pooler_output, *ours.deepstack_features],
+                          [theirs.pooler_output, *theirs.deepstack_features]):
+        assert torch.allclose(mine, want, atol=TOLERANCE, rtol=TOLERANCE)
 
 
 def test_lean_steps_give_transformers_logits_position_by_position(engine, plain, prompt, kernels, monkeypatch):

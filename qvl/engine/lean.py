@@ -125,11 +125,27 @@ class MLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
+class PatchEmbed(nn.Module):
+    """The vision tower's patch embedding as the matmul it is: its Conv3d's kernel is its stride, so each patch (a row
+    of pixel values, flattened as the kernel is) meets the kernel once. torch's conv took 68 ms in fp32 and 136 ms in
+    bf16 for the 2B's 1200 patches on an AMX Xeon, the matmul 10 and 1.7."""
+
+    def __init__(self, embed: nn.Module):
+        super().__init__()
+        self.proj, self.embed_dim = embed.proj, embed.embed_dim  # the conv stays, so the checkpoint's names do
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return F.linear(hidden_states.to(weight.dtype), weight.view(self.embed_dim, -1), self.proj.bias)
+
+
 def fuse(model: nn.Module, copy: bool = True):
-    """Give every text decoder layer its fused attention and MLP; copy=False for a skeleton a loader fills."""
+    """Give every text decoder layer its fused attention and MLP, and the vision tower its patch embedding as a
+    matmul; copy=False for a skeleton a loader fills."""
     for layer in model.model.language_model.layers:
         layer.self_attn = Attention(layer.self_attn, copy)
         layer.mlp = MLP(layer.mlp, copy)
+    model.model.visual.patch_embed = PatchEmbed(model.model.visual.patch_embed)
 
 
 def parts(name: str) -> list[str]:

@@ -82,6 +82,7 @@ ROWS = {
     # Each int8 kernel, whichever auto picks here (oneDNN's needs VNNI or AMX).
     "auto+fbgemm": ("auto", {"QVL_INT8_KERNEL": "fbgemm"}, []),
     "auto+onednn": ("auto", {"QVL_INT8_KERNEL": "onednn"}, []),
+    "auto+fp32-vision": ("auto", {"QVL_VISION_DTYPE": "fp32"}, []),  # the vision tower in fp32 whatever auto picks
     "auto+pinned": ("auto", {}, ["taskset", "-c", ",".join(map(str, sorted(os.sched_getaffinity(0))))]),
 }
 DEFAULT_ROWS = "fp32,bf16,bf16+compile,int8,int4,auto,auto+jemalloc"
@@ -654,7 +655,7 @@ def process_age() -> float:
 
 def row_variables() -> dict[str, str]:
     """The QVL_* variables a row's engine takes from its environment (ROWS' variants); the rest are the bench's own."""
-    return {k: v for k, v in os.environ.items() if k in ("QVL_THREADS", "QVL_JIT", "QVL_INT8_KERNEL")}
+    return {k: v for k, v in os.environ.items() if k in ("QVL_THREADS", "QVL_JIT", "QVL_INT8_KERNEL", "QVL_VISION_DTYPE")}
 
 
 def child(args, ahead: modelcache.Reader | None):
@@ -724,7 +725,8 @@ sys.setswitchinterval(cpu.LOADING_SWITCH_S)  # until the engine is ready
 flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 ahead = modelcache.read_ahead(settings.parse([f for k in ("--model", "--quant", "--model-cache-dir")
                                               for f in (k, flags[k])], env={k: v for k, v in os.environ.items()
-                                                                            if k in ("QVL_THREADS", "QVL_INT8_KERNEL")}))
+                                                                            if k in ("QVL_THREADS", "QVL_INT8_KERNEL",
+                                                                                     "QVL_VISION_DTYPE")}))
 from qvl.tools import bench
 cpu.release_collector()
 bench.main(sys.argv[1:], ahead)
