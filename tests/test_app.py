@@ -261,7 +261,7 @@ import os, signal, sys, threading, time
 import httpx, torch
 from qvl.engine import modelcache
 big = torch.ones(800, 800)
-modelcache.load = lambda *a: [big @ big for _ in range(100000)]  # a load inside torch, op after op: minutes
+modelcache.load = lambda *a, **k: [big @ big for _ in range(100000)]  # a load inside torch, op after op: minutes
 import app
 url = f"http://127.0.0.1:{sys.argv[3]}/"
 

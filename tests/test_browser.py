@@ -387,10 +387,10 @@ def test_an_edited_question_is_answered_again_reusing_the_turns_before_it(browse
 def test_the_warming_banner_says_what_the_start_does_and_how_far_it_is(browser, tiny_dir, tmp_path, monkeypatch):
     release, real = threading.Event(), modelcache.load
 
-    def load(*args):  # a first start, 42% through converting the checkpoint until released
+    def load(*args, **kwargs):  # a first start, 42% through converting the checkpoint until released
         args[-1]("converting", 0.42)
         release.wait(60)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(modelcache, "load", load)
     engine = Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache",

@@ -216,7 +216,7 @@ def broken_copy(tiny_dir, folder):
 
 def test_a_background_engine_is_described_at_once_and_answers_once_its_weights_are_in(tiny_dir, engine, monkeypatch):
     release, real = threading.Event(), modelcache.load
-    monkeypatch.setattr(modelcache, "load", lambda *a: release.wait() and real(*a))
+    monkeypatch.setattr(modelcache, "load", lambda *a, **k: release.wait() and real(*a, **k))
     late = Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache", "--kv-memory", "0",
                                   "--feature-cache-size", "0"], env={}), background=True)
     assert not late.loaded.is_set() and not hasattr(late, "model") and late.progress() == ("loading", None)

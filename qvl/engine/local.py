@@ -174,7 +174,7 @@ class Engine:
     def _load(self):
         store = self.settings.model_cache_dir if self.settings.model_cache else None
         self.model, keep = modelcache.load(self.folder, self.mode, self.weights, store, self._ahead, self._report,
-                                           self.settings.vision)
+                                           vision=self.settings.vision)
         self._ahead = None  # read: its packed weights are the model's now
         if self.scheduler is not None:
             self.scheduler.interleave([*self.model.model.visual.blocks, *self.model.model.language_model.layers])

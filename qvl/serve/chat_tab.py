@@ -159,14 +159,14 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
     def answering(fresh: bool):
         """Answer the pending question at the end of the conversation, filling a new assistant entry as it comes."""
 
-        async def respond(request: gr.Request, conversation: list, use_cache: bool, *values):
+        async def respond(request: gr.Request, shown: list, conversation: list, use_cache: bool, *values):
             lang, session = texts.language(request), request.session_hash
-            if not conversation:  # past --max-sessions Gradio dropped the state between the question and this step
+            if not conversation and shown:  # past --max-sessions Gradio dropped the state since the page showed it
                 conversation = [{"role": "assistant", "text": "", "images": [], "failed": True,
                                  "note": texts.say(lang, "forgotten_asked")}]
                 yield conversation, render(conversation)
                 return
-            if not conversation[-1].get("pending"):
+            if not conversation or not conversation[-1].get("pending"):  # nothing asked (Enter on an empty box)
                 yield gr.skip(), gr.skip()
                 return
             stop = stops.setdefault(session, asyncio.get_running_loop().create_future())  # Stop may come first
@@ -315,8 +315,8 @@ def wire(chatbot: gr.Chatbot, box: gr.MultimodalTextbox, conversation: gr.State,
 
     shown = [conversation, chatbot, box]
     private = dict(api_visibility="private")
-    streamed = dict(inputs=session, outputs=[conversation, chatbot], concurrency_limit=None, show_progress="hidden",
-                    **private)
+    streamed = dict(inputs=[chatbot, *session], outputs=[conversation, chatbot], concurrency_limit=None,
+                    show_progress="hidden", **private)
     # The small state changes around an answer skip Gradio's queue: queued, they wait behind any other session's
     # queued event in the default group (concurrency 1), and a progress overlay covers the chat meanwhile.
     light = dict(queue=False, show_progress="hidden", **private)
