@@ -9,7 +9,7 @@ from PIL import Image
 
 from qvl import settings
 from qvl.conversation import Stats
-from qvl.serve import answers, boxes, cache, ui
+from qvl.serve import answers, boxes, cache, chat_tab, ui
 from qvl.serve.boxes import PALETTE, Mark
 from qvl.serve.ui import ASSETS
 from test_documents import pdf
@@ -182,7 +182,7 @@ def respond(demo: gr.Blocks, conversation: list, config) -> tuple[list, list]:
     values = [getattr(config.gen, name) for name in settings.SESSION_PARAMS]
 
     async def last():
-        async for update in fn(request, conversation, False, *values):
+        async for update in fn(request, chat_tab.render(conversation), conversation, False, *values):
             final = update
         return final
 

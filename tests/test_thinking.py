@@ -118,7 +118,7 @@ def page(engine, tmp_path) -> tuple:
     values = [getattr(config.gen, name) for name in settings.SESSION_PARAMS]
 
     async def shown(conversation, use_cache):
-        return [update async for update in fn(request, conversation, use_cache, *values)]
+        return [update async for update in fn(request, chat_tab.render(conversation), conversation, use_cache, *values)]
 
     return lambda conversation, use_cache=False: asyncio.run(shown(conversation, use_cache))
 
