@@ -298,6 +298,27 @@ def test_onednn_decodes_w8a14_rows_exactly_as_fbgemm_and_prefills_no_farther_fro
     assert kernels[1] == (["in_two_parts"] * 4 if kernels[0] == "jit" else [])
 
 
+@pytest.mark.parametrize("parts", [1, 2])
+def test_onednns_prompt_rows_are_each_quantized_at_their_own_peak_and_scaled_in_the_kernel(onednn, monkeypatch, parts):
+    """Each prompt row over its peak in 127 levels a side, whole-number products with the int8 weight, times the
+    weight row's scale and the row's level: in pieces and with weights in two parts alike, and without _dynamic's
+    search for one scale (the rows' peaks are known to be 1)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(512, 96, bias=True)
+    linear = quant._dynamic_int8(layer, parts=parts)
+    pieces = quant.Int8Linear(torch.cat(list(linear.pieces())), linear.scale, layer.bias.detach(), rows=32,
+                              parts=parts)
+    assert len(pieces.parts) == 3 * parts
+    x = torch.randn(1, 40, 512) * torch.logspace(-2, 1, 40)[:, None]  # rows of very different loudness
+    level = x.abs().amax(-1, keepdim=True).double() / 127
+    q = (x / level).round()
+    exact = (q.double() @ torch.cat(list(linear.pieces())).double().T) * linear.scale.double() * level
+    want = exact.view(1, 40, parts, 96).sum(2) + layer.bias.double()
+    monkeypatch.setattr(quant, "_dynamic", lambda *_: pytest.fail("a prompt's rows took _dynamic's path"))
+    for ours in (linear, pieces):
+        assert torch.allclose(ours(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_an_onednn_engine_says_so_and_answers_no_farther_from_fp32_than_the_fbgemm_one(tiny_dir, tmp_path, onednn):
     """Its precision (the answer cache's key) names oneDNN, its linears are oneDNN's, and its logits for the standard
     request, fed fp32's answer, are no farther from fp32's than fbgemm's."""
