@@ -365,3 +365,19 @@ def test_a_newcomer_lends_the_model_between_its_layers_without_changing_an_answe
                 assert _error(a, b).max() <= TOLERANCE * b[b.isfinite()].abs().max()
     assert not engine.scheduler.busy()
     engine.close()
+
+
+def test_a_prefill_lends_a_step_before_the_running_answers_wait_would_pass_the_pause(monkeypatch):
+    """The running answers were fed at 0; each of the prefill's layers takes 0.1 s and a step 0.2 s: with a pause of
+    0.85 s it lends them a step at 0.6 s, where one more layer and the step would end at 0.9 (at 0.5 they end at
+    0.8: too early to lend); a step twice as long is lent sooner."""
+    monkeypatch.setattr(batch, "PAUSE_S", 0.85)
+    scheduler = batch.Scheduler(threading.Lock(), 4)
+    try:
+        scheduler._fed_at, scheduler._step_s = 0.0, 0.2
+        waits = [0.1 * i for i in range(1, 10)]
+        assert [scheduler._due(now, 0.1) for now in waits] == [False] * 5 + [True] * 4
+        scheduler._step_s = 0.4
+        assert [scheduler._due(now, 0.1) for now in waits] == [False] * 3 + [True] * 6
+    finally:
+        scheduler.close()

@@ -7,9 +7,9 @@ keeps a prefill and a step apart), then joins the batch at the next step; it pic
 its seed's generator, its stop, eos and length) and leaves the batch the step it ends, when its seat goes to the
 next. Its tokens reach its reader through a queue, so a slow reader never holds the others back.
 
-A prefill takes seconds on a CPU (a standard request's ~5 s on two cores), and the running answers would wait that
-long for their next token: between two layers of the vision tower or of the text model, once the running answers
-have waited PAUSE_S, a prefill lends the model for one step. Its own numbers do not change (its layers run as they
+A prefill takes seconds on a CPU (a standard request's ~2.5 s on two cores), and the running answers would wait that
+long for their next token: between two layers of the vision tower or of the text model, before the running answers'
+wait would pass PAUSE_S with one more layer and a step, a prefill lends the model for one step. Its own numbers do not change (its layers run as they
 would, only later), where splitting its tokens into chunks would change the activation scale its int8 linears take.
 """
 import collections
@@ -23,9 +23,10 @@ from torch import nn
 
 from qvl.engine import generate, lean
 
-# How long the running answers wait before a prefill lends them a step (their pause is this, plus the rest of the
-# prefill's layer and the step). Shorter pauses cost the newcomer's first token more steps.
-PAUSE_S = 0.4
+# The longest the running answers should wait for their next token while a prefill runs: it lends them a step before
+# their wait, one more of its layers and the step (each as long as the last one) would pass this. Every lent step
+# delays the newcomer's first token, and the last of a crowd's answers, by that step: the fewer the better.
+PAUSE_S = 0.85
 
 
 class _Seat:
@@ -58,6 +59,8 @@ class Scheduler:
         self._lending = False  # the prefill holding the lock has released it for one step
         self._returned = 0  # lends the scheduler is done with
         self._fed_at = time.perf_counter()  # when the running answers' readers last got tokens
+        self._step_s = 0.0  # how long the last step took
+        self._layer_at = 0.0  # when the prefill holding the lock began its last layer
         self._thread = threading.Thread(target=self._run, name="batch", daemon=True)
         self._thread.start()
 
@@ -74,7 +77,7 @@ class Scheduler:
                 self._changed.wait()
         try:
             with self._turn, self.lock:
-                self._holder = threading.get_ident()
+                self._holder, self._layer_at = threading.get_ident(), time.perf_counter()
                 try:
                     yield
                 finally:
@@ -86,15 +89,17 @@ class Scheduler:
 
     def interleave(self, layers: Iterable[nn.Module]):
         """Let a prefill lend the model for a step before each of layers (the vision tower's blocks and the text
-        model's layers), once the running answers have waited PAUSE_S."""
+        model's layers), when the running answers' pause would otherwise pass PAUSE_S (_due)."""
         for layer in layers:
             layer.register_forward_pre_hook(self._give_way)
 
     def _give_way(self, *_):
         if threading.get_ident() != self._holder:  # not a prefill holding the lock (a background encoding)
             return
+        now = time.perf_counter()
+        layer, self._layer_at = now - self._layer_at, now
         with self._changed:
-            if not self._running or time.perf_counter() - self._fed_at < PAUSE_S:
+            if not self._running or not self._due(now, layer):
                 return
             self._lending, returned = True, self._returned
             self._changed.notify_all()
@@ -106,6 +111,12 @@ class Scheduler:
                 self._lending = False
         finally:
             self.lock.acquire()
+            self._layer_at = time.perf_counter()
+
+    def _due(self, now: float, layer: float) -> bool:
+        """Whether the running answers, fed last at _fed_at, would wait past PAUSE_S for their next token if the
+        prefill ran one more layer (as long as its last, `layer`) before lending them a step (as long as the last)."""
+        return now - self._fed_at + layer + self._step_s >= PAUSE_S
 
     def busy(self) -> bool:
         """Whether any answer is waiting or running."""
@@ -182,7 +193,8 @@ class Scheduler:
                 with self.lock:
                     start = time.perf_counter()
                     logits = lean.step([seat.answer.decoder for seat in feeding], [seat.token for seat in feeding])
-                    self.seconds[len(feeding)] += time.perf_counter() - start
+                    self._step_s = time.perf_counter() - start
+                    self.seconds[len(feeding)] += self._step_s
                 self.sizes[len(feeding)] += 1
                 self.lent += lent
                 for seat, row in zip(feeding, logits):
