@@ -1,6 +1,7 @@
 import logging
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -225,9 +226,12 @@ def test_the_numba_split_gives_torchs_split_of_a_row(kernels):
     ready.set()
     fast = linear(x)
     assert kernels[1] == ["in_two_parts"] and torch.allclose(fast, plain, rtol=1e-6, atol=0) and not fast[2].any()
-    parts = torch.empty(6, 256)
-    levels = jit._split(x.numpy(), parts.numpy())
+    parts, onednns = torch.empty(6, 256), torch.empty(6, 256, dtype=torch.uint8)
+    levels = jit._split(x.numpy(), parts.numpy(), np.float32(0))
     assert torch.equal(parts, quant.Int8Linear._split(x)[0]) and levels.shape == (3, 1)
+    assert parts.abs().max() <= 63 and torch.equal(parts, parts.round())  # whole numbers, which fbgemm keeps exactly
+    jit._split(x.numpy(), onednns.numpy(), np.float32(64))
+    assert torch.equal(onednns.int() - 64, parts.int())  # oneDNN's uint8 input, at zero point 64
 
 
 AVX2_KERNEL = """
@@ -279,7 +283,8 @@ def test_onednn_is_refused_at_start_where_its_8_bit_activations_would_overflow(m
 
 
 @pytest.mark.parametrize("kernels", ["torch", "jit"], indirect=True)
-def test_onednn_decodes_w8a14_rows_exactly_as_fbgemm_and_prefills_no_farther_from_the_float_layer(onednn, kernels):
+def test_onednn_decodes_w8a14_rows_exactly_as_fbgemm_and_prefills_no_farther_from_the_float_layer(onednn, kernels,
+                                                                                                   monkeypatch):
     """A decode row's two parts are whole numbers, which both kernels multiply exactly: the same output bit for bit.
     A prompt's rows take oneDNN's 8-bit activations, where fbgemm's take 7."""
     torch.manual_seed(0)
@@ -293,9 +298,14 @@ def test_onednn_decodes_w8a14_rows_exactly_as_fbgemm_and_prefills_no_farther_fro
     want = layer(x)
     assert (ours(x) - want).norm() < 0.75 * (theirs(x) - want).norm()
     ours.two_part = theirs.two_part = True
+    took = []
+    whole_numbers = quant._whole_numbers
+    monkeypatch.setattr(quant, "_whole_numbers", lambda q, *args: took.append(q.dtype) or whole_numbers(q, *args))
     for rows in (1, quant.DECODE_ROWS):
         assert torch.equal(ours(x[:, :rows]), theirs(x[:, :rows]))
     assert kernels[1] == (["in_two_parts"] * 4 if kernels[0] == "jit" else [])
+    # The numba split writes oneDNN's uint8 input itself; torch's split gives float parts to quantize (and fbgemm's).
+    assert took == ([torch.uint8, torch.float32] * 2 if kernels[0] == "jit" else [torch.float32] * 4)
 
 
 @pytest.mark.parametrize("parts", [1, 2])

@@ -54,9 +54,10 @@ def _attend_kernel(q, keys, values, n, scale, out):
                     out[h, g, d] += w * value[d]
 
 
-def _split_kernel(rows, parts):
-    """Each row over its level (peak / 63): parts[:r] its whole numbers, parts[r:] what they rounded off times 126
-    (left for fbgemm to round, as it rounds its input); returns the levels. quant.Int8Linear._split in torch's ops."""
+def _split_kernel(rows, parts, offset):
+    """Each row over its level (peak / 63): parts[:r] its whole numbers, parts[r:] what they rounded off times 126,
+    rounded, each plus offset (64 for oneDNN's uint8 input, 0 for fbgemm's float one); returns the levels.
+    quant.Int8Linear._split in torch's ops."""
     r, n = rows.shape
     levels = np.empty((r, 1), np.float32)
     for i in range(r):
@@ -68,8 +69,8 @@ def _split_kernel(rows, parts):
         for j in range(n):
             h = rows[i, j] / level
             whole = np.round(h)
-            parts[i, j] = whole
-            parts[r + i, j] = (h - whole) * np.float32(126)
+            parts[i, j] = whole + offset
+            parts[r + i, j] = np.round((h - whole) * np.float32(126)) + offset
     return levels
 
 
@@ -143,7 +144,8 @@ def warm(cache_dir: str) -> bool:
                 q, rows = np.zeros((1, 1, 2), np.float32), np.ones((3, 2), np.float32)
                 cache = np.zeros((1, 2, 2), np.float32)
                 kernels[0](q, cache, cache, 1, 1.0, q.copy())
-                levels = kernels[1](rows[:1], np.zeros((2, 2), np.float32))
+                levels = kernels[1](rows[:1], np.zeros((2, 2), np.float32), np.float32(0))
+                kernels[1](rows[:1], np.zeros((2, 2), np.uint8), np.float32(64))  # oneDNN's parts
                 kernels[2](rows[:2], levels, rows[0], np.zeros((1, 2), np.float32))
                 kernels[3](rows, rows[0], 1e-6, rows.copy())
                 kernels[4](rows, rows, rows[0], rows[0], 1e-6, 1, 1, cache, cache.copy(), 1, q[0])
@@ -169,12 +171,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, sc
     return out
 
 
-def in_two_parts(rows: torch.Tensor, linear, scale: torch.Tensor) -> torch.Tensor:
-    """quant.Int8Linear._two_part: rows (r x in, float32, contiguous) split into 2r whole-number rows, linear's
-    output for them (r x out, before the weight rows' scales), joined back into r rows times scale. numpy's buffers:
-    a decode step makes this call ~113 times, and each torch op around it cost more than the kernels."""
-    parts = np.empty((2 * len(rows), rows.shape[1]), np.float32)
-    levels = _split(rows.numpy(), parts)
+def in_two_parts(rows: torch.Tensor, linear, scale: torch.Tensor, uint8: bool) -> torch.Tensor:
+    """quant.Int8Linear._two_part: rows (r x in, float32, contiguous) split into 2r whole-number rows (uint8: plus
+    64, as oneDNN's kernel takes them, else float32), linear's output for them (r x out, before the weight rows'
+    scales), joined back into r rows times scale. numpy's buffers: a decode step makes this call ~113 times, and each
+    torch op around it cost more than the kernels."""
+    parts = np.empty((2 * len(rows), rows.shape[1]), np.uint8 if uint8 else np.float32)
+    levels = _split(rows.numpy(), parts, np.float32(64 if uint8 else 0))
     y = linear(torch.from_numpy(parts))
     out = np.empty((len(rows), y.shape[1]), np.float32)
     _join(y.numpy(), levels, scale.numpy(), out)

@@ -364,7 +364,7 @@ class Int8Linear(_Apart):
         where torch's ops take ~14 small calls."""
         rows = x.reshape(-1, self.in_features).contiguous()
         if jit.ready.is_set():
-            y = jit.in_two_parts(rows, lambda parts: self._int8(parts, _whole_numbers), self.scale)
+            y = jit.in_two_parts(rows, lambda parts: self._int8(parts, _whole_numbers), self.scale, self.onednn)
         else:
             parts, levels = self._split(rows)
             y = self._int8(parts, _whole_numbers)
@@ -373,14 +373,14 @@ class Int8Linear(_Apart):
 
     @staticmethod
     def _split(rows):
-        """jit._split_kernel in torch's ops: rows as their whole numbers over each row's level (peak / 63), then what
-        those rounded off times 126 (fbgemm rounds it, as it rounds its input), and the levels."""
+        """jit._split_kernel in torch's ops (float parts): rows as their whole numbers over each row's level (peak /
+        63), then what those rounded off times 126, rounded, and the levels."""
         levels = rows.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(rows.dtype).tiny).div_(63)
         h = rows / levels
         parts = torch.empty(2 * len(rows), rows.shape[1])
         high, low = parts.split(len(rows))
         torch.round(h, out=high)
-        torch.sub(h, high, out=low).mul_(126)
+        torch.sub(h, high, out=low).mul_(126).round_()
         return parts, levels
 
     def extra_repr(self) -> str:
@@ -456,8 +456,10 @@ def _dynamic(x: torch.Tensor, part, onednn: bool) -> torch.Tensor:
 
 
 def _whole_numbers(x: torch.Tensor, part, onednn: bool) -> torch.Tensor:
-    """The kernel's linear of x rounded to whole numbers in [-63, 63], quantized at scale 1: exactly, so both kernels
-    give the same numbers."""
+    """The kernel's linear of x, whole numbers in [-63, 63] (or those plus 64 in uint8, as oneDNN takes them), at
+    scale 1: exactly, so both kernels give the same numbers."""
+    if x.dtype == torch.uint8:
+        return _onednn(x, 1.0, 64, part)
     if not onednn:
         return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 64, part)
     return _onednn(torch.quantize_per_tensor(x, 1.0, 64, torch.quint8).int_repr(), 1.0, 64, part)
