@@ -30,6 +30,9 @@ log = logging.getLogger("qvl")
 TINY_DIR = Path(os.path.expanduser("~")) / ".cache" / "qvl" / "tiny-v1"
 # Logged once a start's background work (keeping, repacking, compiling) is done: from then on an idle server idles.
 SETTLED = "the start's background work is done"
+# How long the engine keeps what a request freed for the next one (heap.hold_freed) once nobody asks: a follow-up
+# usually comes sooner, and an idle server then gives the memory back.
+TRIM_IDLE_S = 60.0
 
 
 def _local_copy(source: str) -> str:
@@ -126,6 +129,7 @@ class Engine:
         self.loaded, self.ready, self.settled = threading.Event(), threading.Event(), threading.Event()
         self._exiting = threading.Event()
         self._warming = threading.Lock()  # held by warm_up, which close() waits for
+        self._trimming, self._trimmer = threading.Lock(), None  # _trim_when_idle's timer
         self._ahead, self._loader, self._settler = ahead, None, None
         limit = kv.parse_limit(self.settings.kv_memory)
         self.kv = kv.Store(limit) if limit else None
@@ -180,6 +184,7 @@ class Engine:
             self.scheduler.interleave([*self.model.model.visual.blocks, *self.model.model.language_model.layers])
         self._settler = threading.Thread(target=self._settle, args=(keep,), name="settle", daemon=True)
         self._settler.start()
+        heap.hold_freed()  # after the load's own trim: from here on, requests' tensors reuse what the last one freed
         self.loaded.set()
 
     def _load_in_background(self):
@@ -226,6 +231,16 @@ class Engine:
         while self._busy() and not self._exiting.is_set():
             time.sleep(0.05)
         return not self._exiting.is_set()
+
+    def _trim_when_idle(self):
+        """Hand the heap's freed memory back to the OS (heap.trim) once no request has run for TRIM_IDLE_S: until
+        then the next request's tensors reuse it (heap.hold_freed)."""
+        with self._trimming:
+            if self._trimmer is not None:
+                self._trimmer.cancel()
+            self._trimmer = threading.Timer(TRIM_IDLE_S, lambda: self._busy() or heap.trim())
+            self._trimmer.daemon = True
+            self._trimmer.start()
 
     def _settle(self, keep):
         """In the background, at a low priority and never while a request runs, once the model is in: keep the model
@@ -290,6 +305,9 @@ class Engine:
             pass
         if self.scheduler is not None:
             self.scheduler.close()
+        with self._trimming:
+            if self._trimmer is not None:
+                self._trimmer.cancel()
         return True
 
     def set_threads(self, n: int):
@@ -464,7 +482,7 @@ class Engine:
                 yield text[len(sent):]
             end = time.perf_counter()
             stopped = self._stop.is_set()
-            heap.trim()
+            self._trim_when_idle()
         first = first or end
         yield Stats(
             prompt_tokens=prompt_tokens, image_tokens=image_tokens, new_tokens=len(ids),

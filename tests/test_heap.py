@@ -1,0 +1,59 @@
+import time
+
+import pytest
+
+from qvl import settings
+from qvl.conversation import Turn
+from qvl.engine import heap, local
+
+pytestmark = pytest.mark.skipif(heap._LIBC is None, reason="glibc's heap only (macOS and musl have other allocators)")
+
+# A request's tensors, freed, three times (glibc settles where it places them), then the same again: how many pages
+# the last one faults in.
+REQUESTS = """
+import resource, sys, torch
+from qvl.engine import heap
+if sys.argv[1] == "hold":
+    heap.hold_freed()
+
+def request():
+    tensors = [torch.ones(n << 20, dtype=torch.uint8) for n in (3, 9, 20, 7, 12, 25, 1)]  # each page written
+    del tensors
+
+for _ in range(3):
+    request()
+if sys.argv[1] == "trim":
+    heap.trim()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+request()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_a_request_reuses_the_pages_the_last_one_freed_and_trim_hands_them_back(python_child):
+    """77 MB of tensors is ~20k pages: held, the next request maps (almost) none afresh; handed back in between, it
+    maps them all again."""
+    held, trimmed = (python_child(REQUESTS, way) for way in ("hold", "trim"))
+    assert held.returncode == trimmed.returncode == 0, held.stderr[-2000:] + trimmed.stderr[-2000:]
+    assert int(held.stdout) < 2000 and int(trimmed.stdout) > 15000, (held.stdout, trimmed.stdout)
+
+
+def test_the_engine_hands_freed_memory_back_once_nobody_has_asked_for_a_while(tiny_dir, tmp_path, monkeypatch):
+    """Not after each answer (a follow-up would fault its tensors' pages in again), but TRIM_IDLE_S after the last
+    one: two answers in a row give one trim, that long after the second."""
+    engine = local.Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache", "--cache-dir",
+                                          str(tmp_path)], env={}))
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(time.monotonic()))
+    monkeypatch.setattr(local, "TRIM_IDLE_S", 1.0)
+    params = settings.GenParams(max_new_tokens=2, greedy=True)
+    for question in ("Hello?", "And then?"):
+        list(engine.chat([Turn("user", question)], params))
+    ended = time.monotonic()
+    assert trims == []
+    deadline = ended + 30
+    while not trims and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.5)  # a second timer, had the first answer's not been cancelled, would have fired by now
+    assert len(trims) == 1 and trims[0] - ended >= 0.9, (trims, ended)
+    engine.close()
