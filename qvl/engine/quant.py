@@ -320,8 +320,7 @@ class Int8Linear(_Apart):
         elif x.numel() == self.in_features:
             y = self._matmul(x)
         else:
-            peak = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
-            y = self._rows_at_peak_one(x / peak).mul_(peak)
+            y = self._per_token(x)
         if self.weight_parts == 2:
             levels, rounded_off = y.split(self.out_features, -1)
             y = levels + rounded_off
@@ -332,18 +331,22 @@ class Int8Linear(_Apart):
     def _matmul(self, x):
         return self._int8(x, _dynamic).mul_(self.scale)
 
-    def _rows_at_peak_one(self, x):
-        """_matmul of x whose rows each peak at 1 (a prompt's, each over its own peak). Their one scale is known, so
-        oneDNN's path skips _dynamic's pass to find it, and its kernel multiplies by the rows' scales as it writes its
-        output instead of a pass of its own after it (a third of what a prompt's int8 linear cost around its kernel)."""
+    def _per_token(self, x):
+        """_matmul of x with a scale per token: each row over its own peak, times the peak again. On oneDNN the rows'
+        one scale is known (127 levels of 1), so no pass looks for it, and the kernel multiplies by the weight rows'
+        scales as it writes its output, not a pass of its own after it (together a third of what a prompt's int8
+        linear cost around its kernel). At input scale 1 its output is each whole-number sum times its row's scale,
+        rounded once, however the weight is cut into pieces."""
+        peak = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
         if not self.onednn:
-            return self._matmul(x)
-        q = torch.quantize_per_tensor(x, 1 / 127, 128, torch.quint8).int_repr()
+            return self._matmul(x / peak).mul_(peak)
+        q = torch.quantize_per_tensor(x / peak, 1 / 127, 128, torch.quint8).int_repr()
         outputs, start = [], 0
         for part in self.parts:  # oneDNN's packed weight is a tensor, in x out
-            outputs.append(_onednn(q, 1 / 127, 128, part, self.scale[start:start + part.shape[1]]))
+            outputs.append(_onednn(q, 1.0, 128, part, self.scale[start:start + part.shape[1]]))
             start += part.shape[1]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+        return y.mul_(peak.div_(127))
 
     def _int8(self, x, linear):
         """linear(x, part, onednn)'s output over the packed parts: the int8 kernel's, before the rows' scales."""
