@@ -184,7 +184,6 @@ class Engine:
             self.scheduler.interleave([*self.model.model.visual.blocks, *self.model.model.language_model.layers])
         self._settler = threading.Thread(target=self._settle, args=(keep,), name="settle", daemon=True)
         self._settler.start()
-        heap.hold_freed()  # after the load's own trim: from here on, requests' tensors reuse what the last one freed
         self.loaded.set()
 
     def _load_in_background(self):
@@ -279,6 +278,8 @@ class Engine:
         low.join()
         if self.settings.jit and self._idle():
             jit.warm(self.settings.cache_dir)
+        heap.trim()  # what keeping and repacking freed
+        heap.hold_freed()  # from here on, a request's tensors reuse what the last one freed
         self.settled.set()
         log.info(SETTLED)
 
