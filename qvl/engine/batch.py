@@ -26,7 +26,7 @@ from qvl.engine import generate, lean
 # The longest the running answers should wait for their next token while a prefill runs: it lends them a step before
 # their wait, one more of its layers and the step (each as long as the last one) would pass this. Every lent step
 # delays the newcomer's first token, and the last of a crowd's answers, by that step: the fewer the better.
-PAUSE_S = 0.85
+PAUSE_S = 0.8
 
 
 class _Seat:
