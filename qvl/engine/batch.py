@@ -9,8 +9,9 @@ next. Its tokens reach its reader through a queue, so a slow reader never holds 
 
 A prefill takes seconds on a CPU (a standard request's ~2.5 s on two cores), and the running answers would wait that
 long for their next token: between two layers of the vision tower or of the text model, before the running answers'
-wait would pass PAUSE_S with one more layer and a step, a prefill lends the model for one step. Its own numbers do not change (its layers run as they
-would, only later), where splitting its tokens into chunks would change the activation scale its int8 linears take.
+wait would pass PAUSE_S with one more layer and a step, a prefill lends the model for one step. Its own numbers do
+not change (its layers run as they would, only later), where splitting its tokens into chunks would change the
+activation scale its int8 linears take.
 """
 import collections
 import contextlib

@@ -21,8 +21,8 @@ def limit_arenas(count: int = 2):
 def hold_freed():
     """Keep the blocks that a request frees in the heap, for the next request's tensors, until trim(). By default
     glibc maps a large block afresh for each allocation and hands freed memory at the heap's top back as it is freed,
-    so each request faulted its tensors' pages in again: ~100k faults (~400 MB) for the 2B's standard request, 0.12 s
-    of its 2.4 s first token on an AMX Xeon (docs/performance.md, "Figures behind the code"). Blocks above 32 MB,
+    so each request faulted its tensors' pages in again: ~120k faults (~470 MB) for the 2B's standard request, 0.13 s
+    of its 2.5 s first token on an AMX Xeon (docs/performance.md, "Figures behind the code"). Blocks above 32 MB,
     glibc's largest threshold, are still mapped and unmapped each time."""
     if _LIBC is not None:
         _LIBC.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # set, it no longer adapts to the blocks freed
