@@ -237,9 +237,13 @@ class Engine:
         with self._trimming:
             if self._trimmer is not None:
                 self._trimmer.cancel()
-            self._trimmer = threading.Timer(TRIM_IDLE_S, lambda: self._busy() or heap.trim())
+            self._trimmer = threading.Timer(TRIM_IDLE_S, self._trim_if_idle)
             self._trimmer.daemon = True
             self._trimmer.start()
+
+    def _trim_if_idle(self):
+        if not self._busy():  # else the running request's end sets the timer again
+            heap.trim()
 
     def _settle(self, keep):
         """In the background, at a low priority and never while a request runs, once the model is in: keep the model
