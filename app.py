@@ -93,6 +93,8 @@ def serve(engine, config):
         # --api-key and no --auth, the key guards every door.
         app_kwargs={"routes": openai_api.routes(answerer, config), "middleware": guard},
     )
+    if config.mcp:  # at once: the server already answers, and until then agents would be offered every endpoint
+        tool.offer(demo)
     cpu.release_collector()  # the imports are done
     # The page serves at once and says it is warming up; questions asked meanwhile wait in line for the engine.
     threading.Thread(target=engine.warm_up, args=ui.warm_up_request(), name="warm-up", daemon=True).start()
@@ -104,7 +106,6 @@ def serve(engine, config):
     else:
         log.info("qvl is up: open %s in a browser%s", demo.local_url, waiting)
     if config.mcp:
-        tool.offer(demo)
         log.info("MCP server (streamable HTTP): %s/gradio_api/mcp/", (demo.share_url or demo.local_url).rstrip("/"))
     if demo.share_url:
         log.info("public link (valid for a week, while this process runs): %s", demo.share_url)

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -44,6 +45,9 @@ def readme_flags() -> list[str]:
 @pytest.fixture(scope="module")
 def app(launch_app):
     with launch_app(*readme_flags(), "--max-new-tokens", "8") as running:
+        deadline = time.monotonic() + 60  # up once it says where its MCP server is: the tool is offered by then
+        while "MCP server (streamable HTTP)" not in running.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
         yield running
 
 
