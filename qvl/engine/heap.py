@@ -9,11 +9,14 @@ except OSError:  # not glibc (macOS, musl): another allocator, nothing to tune
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # malloc.h
 
 
-def limit_arenas(count: int = 2):
-    """At most `count` malloc arenas. glibc gives threads that contend their own arena (up to 8 per core) and reuses a
-    freed block only in its own arena; with the event loop's, Gradio's and torch's threads, a tiny-model soak's RSS
-    rose 53 MB over 1500 requests with the default and 16 MB over 1000 with 2. Takes effect for arenas made later, so
-    call it before the threads start."""
+def limit_arenas(count: int = 1):
+    """At most `count` malloc arenas; call it before any thread starts, since glibc fixes the limit at a second
+    thread's first allocation. By default glibc gives threads that contend their own arena (up to 8 per core) and
+    reuses a freed block only in its own arena: with the event loop's, Gradio's and torch's threads, a tiny-model
+    soak's RSS rose 53 MB over 1500 requests, 16 MB over 1000 with 2 arenas. One: another arena's heap is unmapped
+    once emptied, whatever hold_freed() says, so a request in a worker thread faulted its tensors' pages in afresh
+    each time; four 2B answers decoded together ended 21.5 s after they came with one arena, 22.3 s with two and
+    24.1-24.5 s with glibc's default on an AMX Xeon (docs/performance.md, "Figures behind the code")."""
     if _LIBC is not None:
         _LIBC.mallopt(_M_ARENA_MAX, count)
 
