@@ -1,9 +1,11 @@
 import logging
 import threading
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from qvl import settings
 from qvl.conversation import Turn
@@ -721,25 +723,40 @@ def test_auto_computes_a_quantized_vision_tower_in_bf16_on_amx_and_fp32_elsewher
 @pytest.mark.parametrize("mode", ["w8a14", "int4"])
 def test_a_bf16_vision_tower_computes_in_bf16_says_so_and_is_no_farther_from_fp32_than_the_fp32_tower(
         tiny_dir, tmp_path, mode):
-    """--vision-dtype bf16: the tower's linears read their int8 weights as bf16, and its blocks compute in bf16;
-    the precision (the answer and feature caches' key) names it, and the logits for the standard request, fed fp32's
-    answer, are no farther from fp32's than with the tower in fp32 around its int8 linears."""
+    """--vision-dtype bf16: the tower's linears read their int8 weights as bf16, and its blocks compute in bf16, as
+    the text decoder's attention over a prompt (its keys and values kept in fp32 for the decode steps); the precision
+    (the answer and feature caches' key) names it, and the logits for the standard request, fed fp32's answer, are no
+    farther from fp32's than with the tower in fp32 around its int8 linears and the attention in fp32."""
     request = [Turn("user", bench.QUESTION, (bench.photo(),))]
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def answer(*flags, tokens=None):
         engine = Engine(settings.parse(["--model", str(tiny_dir), "--no-cache", "--no-model-cache", "--cache-dir",
                                         str(tmp_path), "--kv-memory", "0", *flags], env={}))
-        dtypes = []
+        dtypes, text = [], []
         engine.model.model.visual.blocks[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
-        logits, _, tokens = bench.forced_chat(engine, request, tokens, 12)
-        engine.close()
-        return logits, tokens, engine.precision, set(dtypes)
 
-    want, tokens, _, _ = answer("--quant", "fp32")
-    ours, _, precision, dtypes = answer("--quant", mode, "--vision-dtype", "bf16", tokens=tokens)
-    assert "vision tower in bf16" in precision and dtypes == {torch.bfloat16}
-    theirs, _, precision, dtypes = answer("--quant", mode, "--vision-dtype", "fp32", tokens=tokens)
-    assert "vision tower" not in precision and dtypes == {torch.float32}
+        def attend(module, q, k, v, *args, **kwargs):
+            if isinstance(module, lean.Attention):
+                text.append((q.dtype, k.dtype, v.dtype))
+            return sdpa(module, q, k, v, *args, **kwargs)
+
+        with mock.patch.dict(ALL_ATTENTION_FUNCTIONS, {"sdpa": attend}):
+            logits, _, tokens = bench.forced_chat(engine, request, tokens, 12)
+        inputs = engine._inputs(request, settings.GenParams())[0]
+        positions, delta = generate.positions(engine.model, inputs)
+        answer = generate.Answer(engine.model, {**inputs, "position_ids": positions}, settings.GenParams(),
+                                 threading.Event(), delta)
+        kept = answer.decoder.keys[0].dtype  # what the decode steps attend over
+        engine.close()
+        return logits, tokens, engine.precision, set(dtypes), set(text), kept
+
+    want, tokens, *_ = answer("--quant", "fp32")
+    ours, _, precision, dtypes, text, kept = answer("--quant", mode, "--vision-dtype", "bf16", tokens=tokens)
+    assert "vision tower and a prompt's attention in bf16" in precision and dtypes == {torch.bfloat16}
+    assert text == {(torch.bfloat16,) * 3} and kept == torch.float32
+    theirs, _, precision, dtypes, text, kept = answer("--quant", mode, "--vision-dtype", "fp32", tokens=tokens)
+    assert "in bf16" not in precision and dtypes == {torch.float32} and text == {(torch.float32,) * 3}
     near, far = bench.fidelity(ours, want)["sqnr_db"], bench.fidelity(theirs, want)["sqnr_db"]
     assert 60 > near >= far - 0.1, (near, far)
 

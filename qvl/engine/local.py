@@ -21,7 +21,7 @@ from transformers.video_utils import VideoMetadata
 
 from qvl import conversation, images, texts, video
 from qvl.conversation import THINK, THOUGHT, Stats, Turn
-from qvl.engine import batch, cpu, features, generate, heap, jit, kv, modelcache, modes, quant, tiny
+from qvl.engine import batch, cpu, features, generate, heap, jit, kv, lean, modelcache, modes, quant, tiny
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
 from qvl.sizes import parse_size
@@ -180,6 +180,8 @@ class Engine:
         self.model, keep = modelcache.load(self.folder, self.mode, self.weights, store, self._ahead, self._report,
                                            vision=self.settings.vision)
         self._ahead = None  # read: its packed weights are the model's now
+        if self.settings.vision == "bf16":  # bf16 computed on the matrix units: a prompt's attention, as the tower
+            lean.attend_prompts_in(self.model, torch.bfloat16)
         if self.scheduler is not None:
             self.scheduler.interleave([*self.model.model.visual.blocks, *self.model.model.language_model.layers])
         self._settler = threading.Thread(target=self._settle, args=(keep,), name="settle", daemon=True)

@@ -100,5 +100,5 @@ def describe(mode: str, int8_kernel: str = "fbgemm", vision_dtype: str = "fp32")
     }.get(mode, mode)
     text = text.replace("fbgemm", "oneDNN") if int8_kernel == "onednn" else text
     if vision_dtype == "bf16" and mode not in ("fp32", "bf16"):
-        text += "; vision tower in bf16, its int8 weights converted per image"
+        text += "; vision tower and a prompt's attention in bf16, the tower's int8 weights converted per image"
     return text
