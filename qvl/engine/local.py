@@ -237,11 +237,14 @@ class Engine:
         """Hand the heap's freed memory back to the OS (heap.trim) once no request has run for TRIM_IDLE_S: until
         then the next request's tensors reuse it (heap.hold_freed)."""
         with self._trimming:
-            if self._trimmer is not None:
-                self._trimmer.cancel()
+            self._cancel_trim()
             self._trimmer = threading.Timer(TRIM_IDLE_S, self._trim_if_idle)
             self._trimmer.daemon = True
             self._trimmer.start()
+
+    def _cancel_trim(self):
+        if self._trimmer is not None:
+            self._trimmer.cancel()
 
     def _trim_if_idle(self):
         if not self._busy():  # else the running request's end sets the timer again
@@ -313,8 +316,7 @@ class Engine:
         if self.scheduler is not None:
             self.scheduler.close()
         with self._trimming:
-            if self._trimmer is not None:
-                self._trimmer.cancel()
+            self._cancel_trim()
         return True
 
     def set_threads(self, n: int):

@@ -7,6 +7,10 @@ docs/quantization.md, "What `auto` picks".
 """
 from qvl.engine import cpu
 
+def _flags(flags: frozenset[str] | None) -> frozenset[str]:
+    return cpu.flags() if flags is None else flags
+
+
 # Every concrete mode, in --help's order; `auto` stands for one of them (resolve).
 MODES = ("fp32", "bf16", "int8", "int4", "w8a16", "w8a14")
 # The modes whose linears are fbgemm's (int4's prefill and vision tower too), which PyTorch builds for x86 only.
@@ -27,7 +31,7 @@ def resolve(mode: str, flags: frozenset[str] | None = None, halves: bool | None 
     # Arm has no fbgemm; torch's int8 weight-only kernel has a NEON path there, and reads a quarter of fp32's bytes.
     if cpu.arm() if arm is None else arm:
         return "w8a16"
-    flags = cpu.flags() if flags is None else flags
+    flags = _flags(flags)
     halves = cpu.halves_256_bit() if halves is None else halves
     # Where fbgemm's kernel is bound by reading the weights, it reads a second decode row nearly free.
     if "VNNI" in flags or ("AVX2" in flags and not halves):
@@ -46,7 +50,7 @@ def kernel(choice: str, flags: frozenset[str] | None = None) -> str:
     decode row as fast; fbgemm's elsewhere (docs/quantization.md, "The int8 kernel")."""
     if choice != "auto":
         return choice
-    return "onednn" if "AMX" in (cpu.flags() if flags is None else flags) else "fbgemm"
+    return "onednn" if "AMX" in _flags(flags) else "fbgemm"
 
 
 # The dtypes a quantized mode's vision tower may compute in, as --vision-dtype names them; `auto` stands for one.
@@ -63,13 +67,13 @@ def vision(choice: str, mode: str, flags: frozenset[str] | None = None) -> str:
         return mode
     if choice != "auto":
         return choice
-    return "bf16" if "AMX" in (cpu.flags() if flags is None else flags) else "fp32"
+    return "bf16" if "AMX" in _flags(flags) else "fp32"
 
 
 def onednn_fits(flags: frozenset[str] | None = None) -> bool:
     """Whether oneDNN's int8 kernel takes 8-bit activations exactly here: with VNNI or AMX it adds int8 products in
     32 bits, where AVX2 alone pairs them into 16 bits that a full 8-bit activation overflows."""
-    return bool((cpu.flags() if flags is None else flags) & {"VNNI", "AMX"})
+    return bool(_flags(flags) & {"VNNI", "AMX"})
 
 
 def assert_concrete(mode: str):
@@ -80,7 +84,7 @@ def assert_concrete(mode: str):
 def native_bf16(flags: frozenset[str] | None = None) -> bool:
     """Whether a CPU with these instruction sets (default: this CPU's) computes bf16 dot products in hardware; without
     them bf16 matmuls are emulated, several times slower than fbgemm's int8."""
-    return bool((cpu.flags() if flags is None else flags) & {"BF16", "AMX"})
+    return bool(_flags(flags) & {"BF16", "AMX"})
 
 
 def describe(mode: str, int8_kernel: str = "fbgemm", vision_dtype: str = "fp32") -> str:

@@ -653,9 +653,12 @@ def process_age() -> float:
     return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
 
 
+# The QVL_* variables a row's engine takes from its environment (ROWS' variants); the rest are the bench's own.
+ROW_VARIABLES = ("QVL_THREADS", "QVL_JIT", "QVL_INT8_KERNEL", "QVL_VISION_DTYPE")
+
+
 def row_variables() -> dict[str, str]:
-    """The QVL_* variables a row's engine takes from its environment (ROWS' variants); the rest are the bench's own."""
-    return {k: v for k, v in os.environ.items() if k in ("QVL_THREADS", "QVL_JIT", "QVL_INT8_KERNEL", "QVL_VISION_DTYPE")}
+    return {k: v for k, v in os.environ.items() if k in ROW_VARIABLES}
 
 
 def child(args, ahead: modelcache.Reader | None):
@@ -725,13 +728,12 @@ cpu.hold_collector()  # until the imports are done
 sys.setswitchinterval(cpu.LOADING_SWITCH_S)  # until the engine is ready
 flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 ahead = modelcache.read_ahead(settings.parse([f for k in ("--model", "--quant", "--model-cache-dir")
-                                              for f in (k, flags[k])], env={k: v for k, v in os.environ.items()
-                                                                            if k in ("QVL_THREADS", "QVL_INT8_KERNEL",
-                                                                                     "QVL_VISION_DTYPE")}))
+                                              for f in (k, flags[k])],
+                                             env={k: v for k, v in os.environ.items() if k in %r}))
 from qvl.tools import bench
 cpu.release_collector()
 bench.main(sys.argv[1:], ahead)
-"""
+""" % (ROW_VARIABLES,)
 
 
 def run_row(name: str, model: str, runs: int, reference: Path, memory: str, concurrent: str = "",
