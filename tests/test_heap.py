@@ -60,12 +60,11 @@ def test_a_request_reuses_the_pages_the_last_one_freed_and_trim_hands_them_back(
 
 
 def test_requests_in_worker_threads_reuse_the_pages_too_with_one_arena(python_child):
-    """With glibc's default a new thread's request takes an arena of its own, whose heap is unmapped once emptied, so
-    held or not its tensors fault in again (~26k of ~39k pages seen); with one arena (heap.limit_arenas) they reuse
-    the main heap that hold_freed() keeps (~5.7k)."""
-    one, default, trimmed = (faults(python_child, way, "threads", arenas)
-                             for way, arenas in (("hold", "one"), ("hold", "default"), ("trim", "one")))
-    assert trimmed > 30000 and one < trimmed / 3 and default > 2 * one, (one, default, trimmed)
+    """With glibc's default a new thread's request may take an arena of its own, whose heap is unmapped once emptied,
+    so held or not its tensors fault in again (2.8k-26k of ~39k pages seen, as glibc places them); with one arena
+    (heap.limit_arenas) they reuse the main heap that hold_freed() keeps (0-5.7k seen)."""
+    held, trimmed = (faults(python_child, way, "threads", "one") for way in ("hold", "trim"))
+    assert trimmed > 30000 and held < trimmed / 3, (held, trimmed)
 
 
 def test_the_engine_hands_freed_memory_back_once_nobody_has_asked_for_a_while(tiny_dir, tmp_path, monkeypatch):
