@@ -7,6 +7,7 @@ docs/quantization.md, "What `auto` picks".
 """
 from qvl.engine import cpu
 
+
 def _flags(flags: frozenset[str] | None) -> frozenset[str]:
     return cpu.flags() if flags is None else flags
 
