@@ -745,9 +745,9 @@ def test_a_bf16_vision_tower_computes_in_bf16_says_so_and_is_no_farther_from_fp3
             logits, _, tokens = bench.forced_chat(engine, request, tokens, 12)
         inputs = engine._inputs(request, settings.GenParams())[0]
         positions, delta = generate.positions(engine.model, inputs)
-        answer = generate.Answer(engine.model, {**inputs, "position_ids": positions}, settings.GenParams(),
-                                 threading.Event(), delta)
-        kept = answer.decoder.keys[0].dtype  # what the decode steps attend over
+        prefilled = generate.Answer(engine.model, {**inputs, "position_ids": positions}, settings.GenParams(),
+                                    threading.Event(), delta)
+        kept = prefilled.decoder.keys[0].dtype  # what the decode steps attend over
         engine.close()
         return logits, tokens, engine.precision, set(dtypes), set(text), kept
 

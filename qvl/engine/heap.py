@@ -15,8 +15,8 @@ def limit_arenas(count: int = 1):
     reuses a freed block only in its own arena: with the event loop's, Gradio's and torch's threads, a tiny-model
     soak's RSS rose 53 MB over 1500 requests, 16 MB over 1000 with 2 arenas. One: another arena's heap is unmapped
     once emptied, whatever hold_freed() says, so a request in a worker thread faulted its tensors' pages in afresh
-    each time; four 2B answers decoded together ended 21.5 s after they came with one arena, 22.3 s with two and
-    24.1-24.5 s with glibc's default on an AMX Xeon (docs/performance.md, "Figures behind the code")."""
+    each time; four 2B answers decoded together ended 21.5-22.4 s after they came with one arena, 22.3-22.9 s with two
+    and 24.1-24.5 s with glibc's default on an AMX Xeon (docs/performance.md, "Figures behind the code")."""
     if _LIBC is not None:
         _LIBC.mallopt(_M_ARENA_MAX, count)
 
