@@ -83,6 +83,7 @@ ROWS = {
     "auto+fbgemm": ("auto", {"QVL_INT8_KERNEL": "fbgemm"}, []),
     "auto+onednn": ("auto", {"QVL_INT8_KERNEL": "onednn"}, []),
     "auto+fp32-vision": ("auto", {"QVL_VISION_DTYPE": "fp32"}, []),  # the vision tower in fp32 whatever auto picks
+    "auto+fp32-kv": ("auto", {"QVL_KV_DTYPE": "fp32"}, []),  # keys and values in fp32 (auto: bf16)
     "auto+pinned": ("auto", {}, ["taskset", "-c", ",".join(map(str, sorted(os.sched_getaffinity(0))))]),
 }
 DEFAULT_ROWS = "fp32,bf16,bf16+compile,int8,int4,auto,auto+jemalloc"
@@ -654,7 +655,7 @@ def process_age() -> float:
 
 
 # The QVL_* variables a row's engine takes from its environment (ROWS' variants); the rest are the bench's own.
-ROW_VARIABLES = ("QVL_THREADS", "QVL_JIT", "QVL_INT8_KERNEL", "QVL_VISION_DTYPE")
+ROW_VARIABLES = tuple(sorted({name for _, env, _ in ROWS.values() for name in env if name.startswith("QVL_")}))
 
 
 def row_variables() -> dict[str, str]:
