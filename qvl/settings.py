@@ -46,6 +46,7 @@ class Settings:
     quant: str = "auto"
     int8_kernel: str = "auto"  # what packs and computes the int8 linears (modes.kernel)
     vision_dtype: str = "auto"  # what a quantized mode's vision tower computes in (modes.vision)
+    kv_dtype: str = "auto"  # what the text decoder keeps its keys and values in (modes.kv)
     threads: int = field(default_factory=cpu.available_cores)
     # torch fixes the inter-op pool at its first parallel op, so this one needs a restart.
     interop_threads: int = 1
@@ -115,6 +116,11 @@ class Settings:
         """The concrete dtype of the vision tower, `auto` resolved for this mode and CPU (modes.vision)."""
         return modes.vision(self.vision_dtype, self.mode)
 
+    @functools.cached_property
+    def kv(self) -> str:
+        """The concrete dtype of the KV cache, `auto` resolved for this mode (modes.kv)."""
+        return modes.kv(self.kv_dtype, self.mode)
+
 
 QUANT_MODES = ("auto", *modes.MODES)
 # The values each numeric setting may take, (lowest, highest or None); the settings tab's controls take theirs from
@@ -153,6 +159,9 @@ _HELP = {
     "vision_dtype": "what a quantized mode's vision tower computes in: auto is bf16 on CPUs with AMX (its int8 "
                     "weights converted for each image, twice as fast there) and fp32 elsewhere; fp32 and bf16 modes "
                     "compute it in their own",
+    "kv_dtype": "what conversations' keys and values are kept in: auto is bf16 in every quantized mode (half the "
+                "memory a conversation takes, and a decode step reads half of it) and fp32 in fp32; bf16 keeps its "
+                "own",
     "threads": "intra-op threads (changeable live in Settings)",
     "interop_threads": "inter-op threads (fixed at start-up)",
     "max_context": "largest prompt + answer, in tokens",
@@ -270,6 +279,8 @@ def _value(name: str, kind: type, text: str):
                                          "Arm CPU use auto (w8a16), w8a16, bf16 or fp32")
     if name == "vision_dtype" and text not in ("auto", *modes.VISION_DTYPES):
         raise argparse.ArgumentTypeError(f"{text} is not one of auto, {', '.join(modes.VISION_DTYPES)}")
+    if name == "kv_dtype" and text not in ("auto", *modes.KV_DTYPES):
+        raise argparse.ArgumentTypeError(f"{text} is not one of auto, {', '.join(modes.KV_DTYPES)}")
     if name == "int8_kernel" and text not in ("auto", *modes.KERNELS):
         raise argparse.ArgumentTypeError(f"{text} is not one of auto, {', '.join(modes.KERNELS)}")
     if name == "int8_kernel" and text == "onednn" and (cpu.arm() or not modes.onednn_fits()):

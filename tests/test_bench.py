@@ -36,18 +36,20 @@ ONEDNN_ROW = ["auto+onednn"] if modes.onednn_fits() and not cpu.arm() else []
 def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows", "fp32,auto,auto-warm,auto+nojit,auto+fbgemm,auto+fp32-vision"
-         + "".join("," + row for row in ONEDNN_ROW), "--runs", "1", "--json", str(out), "--scenarios", "regenerate"], capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows", "fp32,auto,auto-warm,auto+nojit,auto+fbgemm,auto+fp32-vision,"
+         "auto+fp32-kv" + "".join("," + row for row in ONEDNN_ROW), "--runs", "1", "--json", str(out), "--scenarios", "regenerate"], capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["machine"]["bandwidth_gb_s"] > 0
     assert [r["name"] for r in data["rows"]] == ["fp32", "auto", "auto-warm", "auto+nojit", "auto+fbgemm",
-                                                 "auto+fp32-vision", *ONEDNN_ROW]
-    assert [r["jit"] for r in data["rows"]] == [True, True, True, False, True, True, *[True] * len(ONEDNN_ROW)]  # QVL_JIT=0
-    # and QVL_INT8_KERNEL and QVL_VISION_DTYPE reach the row
+                                                 "auto+fp32-vision", "auto+fp32-kv", *ONEDNN_ROW]
+    assert [r["jit"] for r in data["rows"]] == [True, True, True, False, True, True, True,
+                                                *[True] * len(ONEDNN_ROW)]  # QVL_JIT=0
+    # and QVL_INT8_KERNEL, QVL_VISION_DTYPE and QVL_KV_DTYPE reach the row
     assert "oneDNN" not in data["rows"][4]["precision"] and "vision tower" not in data["rows"][5]["precision"]
-    assert all("oneDNN int8" in r["precision"] for r in data["rows"][6:])
+    assert "KV cache bf16" in data["rows"][1]["precision"] and "KV" not in data["rows"][6]["precision"]
+    assert all("oneDNN int8" in r["precision"] for r in data["rows"][7:])
     # Where the kernels ran, the step is timed on torch's ops alone beside them.
     assert ["step_torch_ms" in r for r in data["rows"]][:4] == [True, True, True, False]
     for row in data["rows"]:

@@ -144,7 +144,7 @@ def test_many_visitors_of_one_example_image_share_its_prefix(warm, cold):
 
 
 def test_under_eviction_pressure_the_bound_holds_and_reuse_stays_exact(make_engine, cold):
-    conversation_bytes = kv.per_token_bytes(cold.model) * 140  # a 112-token prompt and its answer
+    conversation_bytes = kv.per_token_bytes(cold.model, "fp32") * 140  # a 112-token prompt and its answer
     warm = make_engine("--kv-memory", str(int(2.5 * conversation_bytes)))
     users = [[Turn("user", "What is this?", (picture(320, 240, (i * 60, 30, 30)),))] for i in range(4)]
     answers = []

@@ -91,6 +91,47 @@ def test_lean_steps_give_transformers_logits_position_by_position(engine, plain,
         assert kernels[1] == []
 
 
+class _RoundedCache(DynamicCache):
+    """transformers' cache with each key and value rounded to bf16 as it is stored (and kept in fp32)."""
+
+    def update(self, keys, values, layer_idx, *args, **kwargs):
+        return super().update(keys.bfloat16().float(), values.bfloat16().float(), layer_idx, *args, **kwargs)
+
+
+def test_a_bf16_cache_decodes_as_transformers_with_its_keys_and_values_rounded_to_bf16(engine, plain, prompt, kernels,
+                                                                                       monkeypatch):
+    """--kv-dtype bf16 (a quantized mode's default): the prompt keeps its keys and values in bf16 and attends over them
+    as kept, and every decode step writes and reads bf16 (the numba kernels its bits): transformers' model with each
+    key and value rounded to bf16 as it is stored."""
+    tokens = torch.randint(0, 256, (STEPS,), generator=torch.Generator().manual_seed(1)).tolist()
+    calls = _spy(monkeypatch)
+    lean.set_dtypes(engine.model, cache=torch.bfloat16)
+    try:
+        with torch.inference_mode():
+            position_ids, delta = generate.positions(engine.model, prompt)
+            ours = generate._forward(engine.model, **prompt, position_ids=position_ids)
+            assert {t.dtype for layer in ours.cache.layers for t in (layer.keys, layer.values)} == {torch.bfloat16}
+            reference = plain(**prompt, cache=_RoundedCache(config=plain.config), use_cache=True, logits_to_keep=1)
+            decoder, worst = lean.Decoder(engine.model, ours.cache, STEPS, delta), 0.0
+            for token in tokens:
+                logits = decoder.step(token)
+                reference = plain(input_ids=torch.tensor([[token]]), cache=reference.cache, use_cache=True,
+                                  logits_to_keep=1)
+                expected = reference.logits[0, -1]
+                worst = max(worst, ((logits - expected).abs().max() / expected.abs().max()).item())
+                assert logits.argmax() == expected.argmax()
+            assert decoder.keys[0].dtype == decoder.values[0].dtype == torch.bfloat16
+    finally:
+        lean.set_dtypes(engine.model)
+    assert worst <= TOLERANCE, worst
+    layers = len(engine.model.model.language_model.layers)
+    assert len(calls) == STEPS * layers
+    if kernels[0] == "jit":
+        assert Counter(kernels[1])["rope"] == Counter(kernels[1])["attend"] == STEPS * layers
+    else:
+        assert kernels[1] == []
+
+
 def test_decode_steps_take_the_delta_they_are_given_never_the_one_transformers_keeps(engine, plain, prompt,
                                                                                       monkeypatch):
     """transformers keeps the last prompt's M-RoPE delta on the model object, whichever conversation that was: the

@@ -290,7 +290,9 @@ def test_a_first_start_converts_into_pieces_then_keeps_and_settles_what_a_whole_
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
     with torch.inference_mode():
         for rows in (ids[:, :1], ids):
-            assert torch.equal(converted(input_ids=rows).logits, whole.model(input_ids=rows).logits)
+            # No cache: the engine keeps keys and values in bf16 (--kv-dtype), which load_model's model does not.
+            assert torch.equal(converted(input_ids=rows, use_cache=False).logits,
+                               whole.model(input_ids=rows, use_cache=False).logits)
     pieces = _start(tiny_dir, "int8", "--model-cache-dir", str(tmp_path / "pieces"))
     assert all(len(m.parts) == 1 for m in pieces.model.modules() if isinstance(m, quant.Int8Linear))  # settled
     [kept_whole], [kept_pieces] = ([*(tmp_path / name).iterdir()] for name in ("whole", "pieces"))

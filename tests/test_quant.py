@@ -724,9 +724,10 @@ def test_auto_computes_a_quantized_vision_tower_in_bf16_on_amx_and_fp32_elsewher
 def test_a_bf16_vision_tower_computes_in_bf16_says_so_and_is_no_farther_from_fp32_than_the_fp32_tower(
         tiny_dir, tmp_path, mode):
     """--vision-dtype bf16: the tower's linears read their int8 weights as bf16, and its blocks compute in bf16, as
-    the text decoder's attention over a prompt (its keys and values kept in fp32 for the decode steps); the precision
-    (the answer and feature caches' key) names it, and the logits for the standard request, fed fp32's answer, are no
-    farther from fp32's than with the tower in fp32 around its int8 linears and the attention in fp32."""
+    the text decoder's attention over a prompt (its keys and values kept as --kv-dtype says, fp32 here, for the
+    decode steps); the precision (the answer and feature caches' key) names it, and the logits for the standard
+    request, fed fp32's answer, are no farther from fp32's than with the tower in fp32 around its int8 linears and
+    the attention in fp32."""
     request = [Turn("user", bench.QUESTION, (bench.photo(),))]
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
@@ -752,11 +753,48 @@ def test_a_bf16_vision_tower_computes_in_bf16_says_so_and_is_no_farther_from_fp3
         return logits, tokens, engine.precision, set(dtypes), set(text), kept
 
     want, tokens, *_ = answer("--quant", "fp32")
-    ours, _, precision, dtypes, text, kept = answer("--quant", mode, "--vision-dtype", "bf16", tokens=tokens)
+    ours, _, precision, dtypes, text, kept = answer("--quant", mode, "--vision-dtype", "bf16", "--kv-dtype", "fp32",
+                                                    tokens=tokens)
     assert "vision tower and a prompt's attention in bf16" in precision and dtypes == {torch.bfloat16}
     assert text == {(torch.bfloat16,) * 3} and kept == torch.float32
-    theirs, _, precision, dtypes, text, kept = answer("--quant", mode, "--vision-dtype", "fp32", tokens=tokens)
+    theirs, _, precision, dtypes, text, kept = answer("--quant", mode, "--vision-dtype", "fp32", "--kv-dtype", "fp32",
+                                                      tokens=tokens)
     assert "in bf16" not in precision and dtypes == {torch.float32} and text == {(torch.float32,) * 3}
+    near, far = bench.fidelity(ours, want)["sqnr_db"], bench.fidelity(theirs, want)["sqnr_db"]
+    assert 60 > near >= far - 0.1, (near, far)
+
+
+def test_auto_keeps_keys_and_values_in_bf16_in_every_quantized_mode_and_fp32_in_fp32():
+    assert [modes.kv("auto", mode) for mode in ("w8a14", "int8", "int4", "w8a16")] == ["bf16"] * 4
+    assert [modes.kv(choice, mode) for choice in ("auto", "fp32", "bf16") for mode in ("fp32", "w8a14")] == [
+        "fp32", "bf16", "fp32", "fp32", "bf16", "bf16"]
+    assert {modes.kv(choice, "bf16") for choice in ("auto", "fp32", "bf16")} == {"bf16"}  # bf16 keeps its own
+    assert "KV cache bf16" in modes.describe("w8a14", kv_dtype="bf16")
+    assert "KV" not in modes.describe("w8a14") + modes.describe("bf16", kv_dtype="bf16")
+
+
+@pytest.mark.parametrize("mode", ["w8a14", "int4"])
+def test_a_bf16_kv_cache_keeps_a_conversation_in_half_the_memory_says_so_and_is_no_farther_from_fp32(
+        tiny_dir, tmp_path, mode):
+    """--kv-dtype auto is bf16 in a quantized mode: the conversation it keeps takes half the bytes of fp32's, the
+    precision (the answer cache's key) names it, and the logits for the standard request, fed fp32's answer, are no
+    farther from fp32's than with the cache in fp32."""
+    request = [Turn("user", bench.QUESTION, (bench.photo(),))]
+
+    def answer(*flags, tokens=None):
+        engine = Engine(settings.parse(["--model", str(tiny_dir), "--no-cache", "--no-model-cache", "--cache-dir",
+                                        str(tmp_path), *flags], env={}))
+        logits, _, tokens = bench.forced_chat(engine, request, tokens, 12)
+        (entry,) = engine.kv._entries.values()  # the conversation it keeps
+        held = engine.memory_info()["conversations"]["bytes"]
+        engine.close()
+        return logits, tokens, engine.precision, held, entry.cache.layers[0].keys.dtype
+
+    want, tokens, *_ = answer("--quant", "fp32")
+    ours, _, precision, held, kept = answer("--quant", mode, tokens=tokens)
+    assert "KV cache bf16" in precision and kept == torch.bfloat16
+    theirs, _, precision, fp32_held, kept = answer("--quant", mode, "--kv-dtype", "fp32", tokens=tokens)
+    assert "KV" not in precision and kept == torch.float32 and held * 2 == fp32_held > 0
     near, far = bench.fidelity(ours, want)["sqnr_db"], bench.fidelity(theirs, want)["sqnr_db"]
     assert 60 > near >= far - 0.1, (near, far)
 

@@ -25,13 +25,24 @@ _launch = threading.Lock()
 prange = range  # numba.prange once warm() has imported numba: the kernel's loop over heads then runs on every core
 
 
+def widen(src, bits):
+    """In a kernel: a cache row (float32, or bf16 as its uint16 bits) as float32; bits: scratch room for a bf16 row.
+    numba picks the body by src's type (_register's overload): one kernel source reads both caches."""
+
+
+def store(src, dst):
+    """In a kernel: dst[:] = src (float32) into a float32 cache row, or rounded to the nearest bf16 (ties to even, as
+    torch rounds) into a bf16 one."""
+
+
 def _attend_kernel(q, keys, values, n, scale, out):
     """out[h, g] = softmax(keys[h, :n] @ q[h, g] * scale) @ values[h, :n]; q, out: (kv heads, queries each, head_dim)."""
     heads, group, dim = q.shape
     for h in prange(heads):
         weights = np.empty((group, n), np.float32)
+        bits = np.empty(dim, np.uint32)
         for p in range(n):
-            key = keys[h, p]
+            key = widen(keys[h, p], bits)
             for g in range(group):
                 acc = np.float32(0)
                 for d in range(dim):
@@ -47,7 +58,7 @@ def _attend_kernel(q, keys, values, n, scale, out):
             weights[g] /= total
         out[h] = 0
         for p in range(n):
-            value = values[h, p]
+            value = widen(values[h, p], bits)
             for g in range(group):
                 w = weights[g, p]
                 for d in range(dim):
@@ -101,7 +112,7 @@ def _rope_kernel(qkv, weight, cos, sin, eps, q_heads, kv_heads, keys, values, n,
     v's into values[:, n]."""
     dim = qkv.shape[1]
     half = dim // 2
-    y = np.empty(dim, np.float32)
+    y, rotated = np.empty(dim, np.float32), np.empty(dim, np.float32)
     for h in range(q_heads + kv_heads):
         total = np.float32(0)
         for i in range(dim):
@@ -109,14 +120,46 @@ def _rope_kernel(qkv, weight, cos, sin, eps, q_heads, kv_heads, keys, values, n,
         inv = np.float32(1 / math.sqrt(total / dim + eps))
         for i in range(dim):
             y[i] = qkv[h, i] * inv * weight[h, i]
+        out = q[h] if h < q_heads else rotated
         for i in range(dim):
-            rotated = y[i] * cos[i] + y[(i + half) % dim] * sin[i]
-            if h < q_heads:
-                q[h, i] = rotated
-            else:
-                keys[h - q_heads, n, i] = rotated
+            out[i] = y[i] * cos[i] + y[(i + half) % dim] * sin[i]
+        if h >= q_heads:
+            store(rotated, keys[h - q_heads, n])
     for h in range(kv_heads):
-        values[h, n] = qkv[q_heads + kv_heads + h]
+        store(qkv[q_heads + kv_heads + h], values[h, n])
+
+
+def _register(numba):
+    """widen's and store's bodies for numba, by the cache's element type (bf16 travels as its uint16 bits)."""
+    from numba.extending import overload
+
+    @overload(widen)
+    def _widen(src, bits):
+        if src.dtype == numba.types.uint16:
+            def from_bf16(src, bits):
+                for d in range(len(src)):
+                    bits[d] = np.uint32(src[d]) << 16
+                return bits.view(np.float32)
+            return from_bf16
+        return lambda src, bits: src
+
+    @overload(store)
+    def _store(src, dst):
+        if dst.dtype == numba.types.uint16:
+            def to_bf16(src, dst):
+                bits = src.view(np.uint32)
+                for i in range(len(src)):
+                    dst[i] = (bits[i] + np.uint32(0x7FFF) + ((bits[i] >> 16) & np.uint32(1))) >> 16
+            return to_bf16
+
+        def as_is(src, dst):
+            dst[:] = src
+        return as_is
+
+
+def _array(cache: torch.Tensor) -> np.ndarray:
+    """A cache buffer as numpy holds it: float32, or a bf16 one's uint16 bits (numpy has no bfloat16)."""
+    return cache.view(torch.uint16).numpy() if cache.dtype == torch.bfloat16 else cache.numpy()
 
 
 # The compiled kernels, and numba's thread count for this thread.
@@ -137,18 +180,20 @@ def warm(cache_dir: str) -> bool:
                 numba.config.CACHE_DIR = numba.config.CACHE_DIR or os.path.join(cache_dir, "numba")
                 prange, _set_threads = numba.prange, numba.set_num_threads
                 _max_threads = numba.config.NUMBA_NUM_THREADS
+                _register(numba)
                 # reassoc: the dot products and sums vectorize (torch's order is another one); the split stays exact.
                 attend = numba.njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
                 kernels = attend(_attend_kernel), *map(numba.njit(nogil=True, cache=True),
                                                        (_split_kernel, _join_kernel, _norm_kernel, _rope_kernel))
                 q, rows = np.zeros((1, 1, 2), np.float32), np.ones((3, 2), np.float32)
-                cache = np.zeros((1, 2, 2), np.float32)
-                kernels[0](q, cache, cache, 1, 1.0, q.copy())
+                caches = np.zeros((1, 2, 2), np.float32), np.zeros((1, 2, 2), np.uint16)  # float32 and bf16
+                for cache in caches:
+                    kernels[0](q, cache, cache, 1, 1.0, q.copy())
+                    kernels[4](rows, rows, rows[0], rows[0], 1e-6, 1, 1, cache, cache.copy(), 1, q[0])
                 levels = kernels[1](rows[:1], np.zeros((2, 2), np.float32), np.float32(0))
                 kernels[1](rows[:1], np.zeros((2, 2), np.uint8), np.float32(64))  # oneDNN's parts
                 kernels[2](rows[:2], levels, rows[0], np.zeros((1, 2), np.float32))
                 kernels[3](rows, rows[0], 1e-6, rows.copy())
-                kernels[4](rows, rows, rows[0], rows[0], 1e-6, 1, 1, cache, cache.copy(), 1, q[0])
             except Exception as e:  # no numba wheel for this platform, or a compile failure
                 log.warning("the numba decode kernels are unavailable (%s: %s); decoding with torch's ops",
                             type(e).__name__, e)
@@ -161,13 +206,13 @@ def warm(cache_dir: str) -> bool:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, scale: float) -> torch.Tensor:
-    """Attention of q (kv heads x queries each x head_dim) over the first n positions of the float32 buffers keys and
-    values (kv heads x room x head_dim); the output has q's shape."""
+    """Attention of q (kv heads x queries each x head_dim) over the first n positions of the buffers keys and values
+    (kv heads x room x head_dim, float32 or bf16); the output has q's shape."""
     q = q.contiguous()
     out = torch.empty_like(q)
     with _launch:
         _set_threads(min(torch.get_num_threads(), _max_threads))  # the engine's setting; numba's is per thread
-        _attend(q.numpy(), keys.numpy(), values.numpy(), n, scale, out.numpy())
+        _attend(q.numpy(), _array(keys), _array(values), n, scale, out.numpy())
     return out
 
 
@@ -200,5 +245,5 @@ def rope(qkv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.
     dim = keys.shape[-1]
     q = torch.empty(heads[0], dim)
     _rope(qkv.contiguous().view(-1, dim).numpy(), weight.detach().view(-1, dim).numpy(), cos.reshape(-1).numpy(),
-          sin.reshape(-1).numpy(), eps, heads[0], heads[1], keys.numpy(), values.numpy(), n, q.numpy())
+          sin.reshape(-1).numpy(), eps, heads[0], heads[1], _array(keys), _array(values), n, q.numpy())
     return q

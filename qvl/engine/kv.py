@@ -161,8 +161,8 @@ class Store:
             self.used -= self._entries.popitem(last=False)[1].nbytes
 
 
-def per_token_bytes(model) -> int:
-    """What one position of this model's KV cache takes: keys and values for every layer, in its activation dtype."""
+def per_token_bytes(model, dtype: str) -> int:
+    """What one position of this model's KV cache takes: keys and values for every layer, in dtype (modes.kv)."""
     text = model.config.text_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * model.dtype.itemsize
+    return text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * (4 if dtype == "fp32" else 2)

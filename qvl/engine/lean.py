@@ -54,7 +54,9 @@ class Attention(nn.Module):
         self.heads = [size // self.head_dim for size in self.sizes]
         self.qkv_proj = _linear([hf.q_proj, hf.k_proj, hf.v_proj], copy)
         self.o_proj, self.q_norm, self.k_norm = hf.o_proj, hf.q_norm, hf.k_norm
-        self.prompt_dtype = None  # what forward() attends in: None, the activations' dtype (attend_prompts_in)
+        # What forward() attends over a prompt in, and what keys and values are kept in: None, the activations'
+        # dtype (set_dtypes).
+        self.prompt_dtype = self.cache_dtype = None
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         q, k, v = self.qkv_proj(x).view(*x.shape[:-1], -1, self.head_dim).split(self.heads, -2)
@@ -64,7 +66,8 @@ class Attention(nn.Module):
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         q, k, v = self._qkv(hidden_states, *position_embeddings)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
+            kept = self.cache_dtype or k.dtype
+            k, v = cache.update(k.to(kept), v.to(kept), self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         dtype = self.prompt_dtype or q.dtype
         if attention_mask is not None and attention_mask.is_floating_point():
@@ -89,7 +92,8 @@ class Attention(nn.Module):
 
     def _attend(self, qkv, cos, sin, keys: torch.Tensor, values: torch.Tensor, n: int, qk_weight: torch.Tensor):
         """One row's attention output (kv heads x queries each x head_dim) from its q/k/v row, over its own cache."""
-        if jit.ready.is_set() and keys.dtype == torch.float32:  # numpy, and so numba, has no bfloat16
+        # numpy, and so numba, has no bfloat16: a bf16 cache travels as its bits, bf16 activations take torch's ops.
+        if jit.ready.is_set() and qkv.dtype == torch.float32:
             q = jit.rope(qkv, qk_weight, cos, sin, self.q_norm.variance_epsilon, self.heads, keys[0], values[0], n)
             return jit.attend(q.view(self.heads[1], -1, self.head_dim), keys[0], values[0], n + 1, self.scaling)
         qkv = qkv.view(1, -1, 1, self.head_dim)
@@ -101,8 +105,8 @@ class Attention(nn.Module):
         queries = q.view(self.heads[1], -1, self.head_dim)  # key/value heads x the query heads that share each
         # The cache as the left operand, one pass over it ((positions x head_dim) @ (head_dim x queries)), beats
         # SDPA's kernel once the cache is out of CPU caches (docs/performance.md).
-        weights = torch.matmul(keys[0, :, :n + 1], queries.transpose(1, 2)).mul_(self.scaling).softmax(1)
-        return torch.matmul(weights.transpose(1, 2), values[0, :, :n + 1])
+        weights = torch.matmul(keys[0, :, :n + 1].to(q.dtype), queries.transpose(1, 2)).mul_(self.scaling).softmax(1)
+        return torch.matmul(weights.transpose(1, 2), values[0, :, :n + 1].to(q.dtype))
 
     def qk_weight(self) -> torch.Tensor:
         return torch.cat([self.q_norm.weight.expand(self.heads[0], 1, -1), self.k_norm.weight.expand(self.heads[1], 1, -1)])
@@ -153,12 +157,15 @@ def fuse(model: nn.Module, copy: bool = True):
     model.model.visual.patch_embed = PatchEmbed(model.model.visual.patch_embed)
 
 
-def attend_prompts_in(model: nn.Module, dtype: torch.dtype):
-    """Have the text decoder attend over a prompt in dtype (its keys and values kept as computed). bf16 where the CPU's
-    matrix units compute it: the 2B's standard prompt attended in 0.09 s instead of 0.18 in fp32 on an AMX Xeon, at a
-    logit SQNR of 22.96 dB against 22.89 (docs/quantization.md, "The vision tower")."""
+def set_dtypes(model: nn.Module, prompt: torch.dtype | None = None, cache: torch.dtype | None = None):
+    """Have the text decoder attend over a prompt in `prompt` and keep its keys and values in `cache` (None: the
+    activations' dtype). A prompt in bf16 where the CPU's matrix units compute it: the 2B's standard prompt attended
+    in 0.09 s instead of 0.18 in fp32 on an AMX Xeon, at a logit SQNR of 22.96 dB against 22.89 (docs/quantization.md,
+    "The vision tower"). A cache in bf16 holds a conversation in half the memory, and a decode step reads half the
+    bytes of it (docs/quantization.md, "The KV cache"); a prompt then attends over its keys as kept, so a reused
+    cache answers as a cold one."""
     for layer in model.model.language_model.layers:
-        layer.self_attn.prompt_dtype = dtype
+        layer.self_attn.prompt_dtype, layer.self_attn.cache_dtype = prompt, cache
 
 
 def parts(name: str) -> list[str]:

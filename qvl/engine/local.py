@@ -165,7 +165,7 @@ class Engine:
             log.warning("--quant %s on a CPU without bf16 instructions: its bf16 matmuls are emulated, several times "
                         "slower than int8 (what auto picks here)", mode)
         quant.use_kernel(self.settings.kernel)
-        self.precision = modes.describe(mode, self.settings.kernel, self.settings.vision)
+        self.precision = modes.describe(mode, self.settings.kernel, self.settings.vision, self.settings.kv)
         self.model_id = source
         limit = AutoConfig.from_pretrained(self.folder).text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context, limit)
@@ -180,8 +180,9 @@ class Engine:
         self.model, keep = modelcache.load(self.folder, self.mode, self.weights, store, self._ahead, self._report,
                                            vision=self.settings.vision)
         self._ahead = None  # read: its packed weights are the model's now
-        if self.settings.vision == "bf16":  # bf16 computed on the matrix units: a prompt's attention, as the tower
-            lean.attend_prompts_in(self.model, torch.bfloat16)
+        # A prompt's attention on the matrix units where the tower computes there.
+        lean.set_dtypes(self.model, prompt=torch.bfloat16 if self.settings.vision == "bf16" else None,
+                        cache=torch.bfloat16 if self.settings.kv == "bf16" else None)
         if self.scheduler is not None:
             self.scheduler.interleave([*self.model.model.visual.blocks, *self.model.model.language_model.layers])
         self._settler = threading.Thread(target=self._settle, args=(keep,), name="settle", daemon=True)
@@ -457,7 +458,8 @@ class Engine:
                     positions, delta = generate.positions(self.model, inputs)
                     prefill, prompt, reused, cached = self._prefill(turns, inputs, positions, params)
                     if self.kv is not None:  # kept conversations make room for the cache this answer grows
-                        reserved = kv.per_token_bytes(self.model) * (prompt_tokens + params.max_new_tokens)
+                        reserved = (kv.per_token_bytes(self.model, self.settings.kv)
+                                    * (prompt_tokens + params.max_new_tokens))
                         self.kv.reserve(reserved)
                     if self.scheduler is None:
                         tokens = generate.stream(self.model, prefill, params, self._stop, delta, keep_answer)

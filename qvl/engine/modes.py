@@ -71,6 +71,22 @@ def vision(choice: str, mode: str, flags: frozenset[str] | None = None) -> str:
     return "bf16" if "AMX" in _flags(flags) else "fp32"
 
 
+# The dtypes the text decoder may keep its keys and values in, as --kv-dtype names them; `auto` stands for one.
+KV_DTYPES = ("fp32", "bf16")
+
+
+def kv(choice: str, mode: str) -> str:
+    """The dtype `mode` keeps its keys and values in: `auto` is fp32 for fp32, whose answers are the reference, and
+    bf16 for every other mode, whose own error is larger than bf16's rounding of the cache: a conversation in half
+    the memory, and a decode step that reads half its bytes (docs/quantization.md, "The KV cache"). bf16 computes
+    in bf16 and keeps its own."""
+    if mode == "bf16":
+        return mode
+    if choice != "auto":
+        return choice
+    return "fp32" if mode == "fp32" else "bf16"
+
+
 def onednn_fits(flags: frozenset[str] | None = None) -> bool:
     """Whether oneDNN's int8 kernel takes 8-bit activations exactly here: with VNNI or AMX it adds int8 products in
     32 bits, where AVX2 alone pairs them into 16 bits that a full 8-bit activation overflows."""
@@ -88,10 +104,11 @@ def native_bf16(flags: frozenset[str] | None = None) -> bool:
     return bool(_flags(flags) & {"BF16", "AMX"})
 
 
-def describe(mode: str, int8_kernel: str = "fbgemm", vision_dtype: str = "fp32") -> str:
-    """The precision/quantization of a concrete mode whose int8 linears are int8_kernel's and whose vision tower
-    computes in vision_dtype, as the engine reports it (and puts in its identity: oneDNN quantizes a prompt's
-    activations to 8 bits where fbgemm takes 7, and a bf16 tower makes other image features)."""
+def describe(mode: str, int8_kernel: str = "fbgemm", vision_dtype: str = "fp32", kv_dtype: str = "fp32") -> str:
+    """The precision/quantization of a concrete mode whose int8 linears are int8_kernel's, whose vision tower
+    computes in vision_dtype and whose keys and values are kept in kv_dtype, as the engine reports it (and puts in its
+    identity: oneDNN quantizes a prompt's activations to 8 bits where fbgemm takes 7, a bf16 tower makes other image
+    features, a bf16 cache other logits)."""
     text = {
         # Part of the answer cache's key: it names what changes answers (the activation scale per token, too).
         "int8": "int8: fbgemm dynamic int8 linears and head, a scale per token, loud text channels apart, "
@@ -106,4 +123,6 @@ def describe(mode: str, int8_kernel: str = "fbgemm", vision_dtype: str = "fp32")
     text = text.replace("fbgemm", "oneDNN") if int8_kernel == "onednn" else text
     if vision_dtype == "bf16" and mode not in ("fp32", "bf16"):
         text += "; vision tower and a prompt's attention in bf16, the tower's int8 weights converted per image"
+    if kv_dtype == "bf16" and mode != "bf16":
+        text += "; KV cache bf16"
     return text
