@@ -810,3 +810,22 @@ def test_int8_weights_read_as_bf16_compute_the_bf16_linear_of_their_dequantized_
     y = layer(x)
     assert y.dtype == torch.bfloat16
     assert ((y.float() - want).norm() / want.norm()) < 0.01
+
+
+def test_once_warm_the_numba_kernel_converts_int8_weights_to_bf16_bit_for_bit_as_torchs_ops(tmp_path, monkeypatch):
+    """A bf16 tower's linears take their int8 weights times the rows' scales in one numba pass: the product of an int8
+    and a bf16 is exact in float32, so the one rounding to bf16 is torch's, scales of every size and ties included."""
+    assert jit.warm(str(tmp_path))
+    torch.manual_seed(0)
+    values = torch.randint(-128, 128, (512, 96), dtype=torch.int8)
+    scale = (torch.randn(512) * torch.logspace(-12, 12, 512)).bfloat16()
+    assert torch.equal(jit.dequantized(values, scale), values.to(torch.bfloat16).mul_(scale[:, None]))
+    layer = quant.Int8WeightOnly.quantize(torch.nn.Linear(256, 64))
+    layer.bias.data = layer.bias.data.bfloat16()  # as a bf16 tower holds it
+    x, calls, ready = torch.randn(300, 256).bfloat16(), [], threading.Event()
+    dequantized = jit.dequantized
+    monkeypatch.setattr(jit, "dequantized", lambda *args: calls.append(1) or dequantized(*args))
+    monkeypatch.setattr(jit, "ready", ready)
+    plain = layer(x)
+    ready.set()
+    assert torch.equal(layer(x), plain) and calls == [1]

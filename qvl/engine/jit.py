@@ -1,7 +1,8 @@
 """The decode step's attention over the KV cache, its norms and rotary embedding, and w8a14's split of a decode row,
 as numba kernels: in torch's ops attention goes through MKL's matmuls, whose kernels for one or two rows stream the
 cache at half the speed a kernel of its own reaches, and the norms, the rotation and the split are dozens of small
-ops a layer whose dispatch costs more than their work (docs/performance.md, "Figures behind the code").
+ops a layer whose dispatch costs more than their work (docs/performance.md, "Figures behind the code"). Also a bf16
+vision tower's int8 weights converted for an image, in one pass where torch's ops take two.
 
 numba is imported by warm(), at the end of the engine's background work once it serves: its import and a first
 compile take seconds (later starts load numba's cache), which a start should not wait for. Until then the decode
@@ -63,6 +64,18 @@ def _attend_kernel(q, keys, values, n, scale, out):
                 w = weights[g, p]
                 for d in range(dim):
                     out[h, g, d] += w * value[d]
+
+
+def _dequantize_kernel(values, scale, out):
+    """out[r] = values[r] * scale[r], int8 values times a row's scale (float32, or bf16 bits), rounded as out is
+    stored (store). The product of an int8 and a bf16 is exact in float32, so a bf16 out is torch's own rounding."""
+    rows, cols = values.shape
+    scales = widen(scale, np.empty(rows, np.uint32))
+    for r in prange(rows):
+        factor, row = scales[r], np.empty(cols, np.float32)
+        for j in range(cols):
+            row[j] = np.float32(values[r, j]) * factor
+        store(row, out[r])
 
 
 def _split_kernel(rows, parts, offset):
@@ -130,10 +143,11 @@ def _rope_kernel(qkv, weight, cos, sin, eps, q_heads, kv_heads, keys, values, n,
 
 
 def _register(numba):
-    """widen's and store's bodies for numba, by the cache's element type (bf16 travels as its uint16 bits)."""
+    """widen's and store's bodies for numba, by the element type (bf16 travels as its uint16 bits). Inlined: as calls
+    they kept the loops around them from vectorizing (a tower's weight conversions took twice as long)."""
     from numba.extending import overload
 
-    @overload(widen)
+    @overload(widen, inline="always")
     def _widen(src, bits):
         if src.dtype == numba.types.uint16:
             def from_bf16(src, bits):
@@ -143,7 +157,7 @@ def _register(numba):
             return from_bf16
         return lambda src, bits: src
 
-    @overload(store)
+    @overload(store, inline="always")
     def _store(src, dst):
         if dst.dtype == numba.types.uint16:
             def to_bf16(src, dst):
@@ -157,13 +171,13 @@ def _register(numba):
         return as_is
 
 
-def _array(cache: torch.Tensor) -> np.ndarray:
-    """A cache buffer as numpy holds it: float32, or a bf16 one's uint16 bits (numpy has no bfloat16)."""
-    return cache.view(torch.uint16).numpy() if cache.dtype == torch.bfloat16 else cache.numpy()
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor as numpy holds it: as it is, or a bf16 one as its uint16 bits (numpy has no bfloat16)."""
+    return tensor.view(torch.uint16).numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
 
 
 # The compiled kernels, and numba's thread count for this thread.
-_attend = _split = _join = _norm = _rope = _set_threads = None
+_attend = _dequantize = _split = _join = _norm = _rope = _set_threads = None
 _max_threads = 1
 
 
@@ -171,7 +185,7 @@ def warm(cache_dir: str) -> bool:
     """Import numba and compile the kernels (or load them from numba's cache in cache_dir/numba, unless
     NUMBA_CACHE_DIR says where), then set ready; False, with one log line, where numba cannot be imported or compile
     (torch's ops go on serving)."""
-    global prange, _attend, _split, _join, _norm, _rope, _set_threads, _max_threads
+    global prange, _attend, _dequantize, _split, _join, _norm, _rope, _set_threads, _max_threads
     with _warming:
         if _attend is None:
             start = time.perf_counter()
@@ -185,6 +199,8 @@ def warm(cache_dir: str) -> bool:
                 attend = numba.njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
                 kernels = attend(_attend_kernel), *map(numba.njit(nogil=True, cache=True),
                                                        (_split_kernel, _join_kernel, _norm_kernel, _rope_kernel))
+                dequantize = numba.njit(parallel=True, nogil=True, cache=True)(_dequantize_kernel)
+                dequantize(np.ones((2, 2), np.int8), np.ones(2, np.uint16), np.zeros((2, 2), np.uint16))
                 q, rows = np.zeros((1, 1, 2), np.float32), np.ones((3, 2), np.float32)
                 caches = np.zeros((1, 2, 2), np.float32), np.zeros((1, 2, 2), np.uint16)  # float32 and bf16
                 for cache in caches:
@@ -198,7 +214,7 @@ def warm(cache_dir: str) -> bool:
                 log.warning("the numba decode kernels are unavailable (%s: %s); decoding with torch's ops",
                             type(e).__name__, e)
                 return False
-            _attend, _split, _join, _norm, _rope = kernels
+            (_attend, _split, _join, _norm, _rope), _dequantize = kernels, dequantize
             log.info("the numba decode kernels are ready (%.1f s; cached in %s)", time.perf_counter() - start,
                      numba.config.CACHE_DIR)
         ready.set()
@@ -213,6 +229,16 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, sc
     with _launch:
         _set_threads(min(torch.get_num_threads(), _max_threads))  # the engine's setting; numba's is per thread
         _attend(q.numpy(), _array(keys), _array(values), n, scale, out.numpy())
+    return out
+
+
+def dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """values.to(bfloat16) * scale[:, None] for int8 values and a bf16 scale per row, bit for bit, in one pass: a bf16
+    vision tower converts its int8 weights for each image, and torch's two ops took twice as long."""
+    out = torch.empty(values.shape, dtype=torch.bfloat16)
+    with _launch:
+        _set_threads(min(torch.get_num_threads(), _max_threads))
+        _dequantize(values.numpy(), _array(scale), _array(out))
     return out
 
 

@@ -437,7 +437,11 @@ class Int8WeightOnly(_Apart):
 
     def forward(self, x):
         if x.dtype == torch.bfloat16:  # a tower that computes in bf16 (--vision-dtype): the weights in bf16 for a call
-            return F.linear(x, self.int8_weight.to(torch.bfloat16).mul_(self.scale[:, None]), self.bias)
+            if jit.ready.is_set():
+                weight = jit.dequantized(self.int8_weight, self.scale)
+            else:
+                weight = self.int8_weight.to(torch.bfloat16).mul_(self.scale[:, None])
+            return F.linear(x, weight, self.bias)
         rows = x.reshape(-1, self.in_features)
         flat = rows.bfloat16()
         if flat.shape[0] <= W8A16_ROWS:
