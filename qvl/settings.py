@@ -123,6 +123,8 @@ class Settings:
 
 
 QUANT_MODES = ("auto", *modes.MODES)
+# The settings that take `auto` or one of these choices (each resolved by its modes function).
+AUTO_CHOICES = {"int8_kernel": modes.KERNELS, "vision_dtype": modes.VISION_DTYPES, "kv_dtype": modes.KV_DTYPES}
 # The values each numeric setting may take, (lowest, highest or None); the settings tab's controls take theirs from
 # here, so that a value the server starts with is one the page accepts back from every request.
 BOUNDS = {
@@ -277,12 +279,8 @@ def _value(name: str, kind: type, text: str):
     if name == "quant" and text in modes.FBGEMM and cpu.arm():
         raise argparse.ArgumentTypeError(f"{text} computes with fbgemm, which PyTorch builds for x86 CPUs only; on this "
                                          "Arm CPU use auto (w8a16), w8a16, bf16 or fp32")
-    if name == "vision_dtype" and text not in ("auto", *modes.VISION_DTYPES):
-        raise argparse.ArgumentTypeError(f"{text} is not one of auto, {', '.join(modes.VISION_DTYPES)}")
-    if name == "kv_dtype" and text not in ("auto", *modes.KV_DTYPES):
-        raise argparse.ArgumentTypeError(f"{text} is not one of auto, {', '.join(modes.KV_DTYPES)}")
-    if name == "int8_kernel" and text not in ("auto", *modes.KERNELS):
-        raise argparse.ArgumentTypeError(f"{text} is not one of auto, {', '.join(modes.KERNELS)}")
+    if name in AUTO_CHOICES and text not in ("auto", *AUTO_CHOICES[name]):
+        raise argparse.ArgumentTypeError(f"{text} is not one of auto, {', '.join(AUTO_CHOICES[name])}")
     if name == "int8_kernel" and text == "onednn" and (cpu.arm() or not modes.onednn_fits()):
         raise argparse.ArgumentTypeError("onednn's int8 kernel needs AVX-512 VNNI or AMX, which this CPU lacks; use "
                                          "auto or fbgemm")
