@@ -1,3 +1,4 @@
+import json
 import time
 
 import pytest
@@ -65,6 +66,46 @@ def test_requests_in_worker_threads_reuse_the_pages_too_with_one_arena(python_ch
     (heap.limit_arenas) they reuse the main heap that hold_freed() keeps (0-5.7k seen)."""
     held, trimmed = (faults(python_child, way, "threads", "one") for way in ("hold", "trim"))
     assert trimmed > 30000 and held < trimmed / 3, (held, trimmed)
+
+
+MAPPED = """
+import ctypes, json, torch
+from qvl.engine import heap, kv
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+heap._LIBC.mallinfo2.restype = MallInfo2
+heap.hold_freed()
+
+def megabytes():  # resident, and held by malloc (its heap's blocks in use and the blocks it mapped)
+    info = heap._LIBC.mallinfo2()
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20, (info.uordblks + info.hblkhd) >> 20
+
+start = megabytes()
+tensor = kv.mapped((64, 1 << 20), torch.uint8)
+tensor[:8] = 1
+written = megabytes()
+view = tensor[:8]
+del tensor
+assert view.sum() == 8 << 20
+viewed = megabytes()
+del view
+print(json.dumps([start, written, viewed, megabytes()]))
+"""
+
+
+def test_a_mapped_tensor_is_outside_mallocs_heap_resident_where_written_and_handed_back_with_its_last_view(
+        python_child):
+    """kv.mapped, which holds the keys and values of answers and conversations: 64 MB with 8 written is ~8 MB
+    resident (what torch's first ops map besides), none of it malloc's; a view keeps it, and once the last one goes
+    it leaves the process."""
+    child = python_child(MAPPED)
+    assert child.returncode == 0, child.stderr[-2000:]
+    (rss, malloc), written, viewed, freed = json.loads(child.stdout)
+    assert 7 <= written[0] - rss <= 16 and written[1] - malloc <= 1, (rss, malloc, written)  # not 64
+    assert viewed[0] >= written[0] - 1 and viewed[0] - freed[0] >= 7, (written, viewed, freed)
 
 
 def test_the_engine_hands_freed_memory_back_once_nobody_has_asked_for_a_while(tiny_dir, tmp_path, monkeypatch):

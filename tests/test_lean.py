@@ -9,7 +9,7 @@ from transformers import AutoModelForImageTextToText, DynamicCache
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import checkpoint, generate, lean
+from qvl.engine import checkpoint, generate, kv, lean
 from test_engine import picture
 
 STEPS = 40
@@ -172,14 +172,18 @@ def test_a_sampled_answer_and_the_cache_it_leaves_match_transformers(engine, pla
                             logits_to_keep=1)
     assert ids == expected
 
-    cache = DynamicCache(config=engine.model.config)
+    cache, blocks, mapped = DynamicCache(config=engine.model.config), [], kv.mapped
+    monkeypatch.setattr(kv, "mapped", lambda shape, dtype: blocks.append(shape[-2]) or mapped(shape, dtype))
     for _ in generate.stream(engine.model, dict(prompt, cache=cache), params, threading.Event()):
         pass
-    assert cache.get_seq_length() == out.cache.get_seq_length() == prompt["input_ids"].shape[1] + STEPS - 1
+    n = prompt["input_ids"].shape[1]
+    assert cache.get_seq_length() == out.cache.get_seq_length() == n + STEPS - 1
+    assert blocks == [n + STEPS, n + STEPS - 1]  # the answer's buffers, then what it keeps: outside malloc's heap
     for ours, theirs in zip(cache.layers, out.cache.layers):
         for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
             assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
-            assert a.untyped_storage().nbytes() == a.numel() * a.element_size()  # no spare room kept
+    kept = {t.untyped_storage().data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)}
+    assert len(kept) == 1 and cache.layers[0].keys.untyped_storage().nbytes() == kv.nbytes(cache)  # no spare room
 
 
 def test_a_stream_closed_early_leaves_only_the_tokens_fed_back(engine, prompt):

@@ -21,7 +21,7 @@ from transformers.initialization import no_init_weights
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb, eager_attention_forward
 
-from qvl.engine import jit
+from qvl.engine import jit, kv
 
 # A fused linear's name -> the checkpoint linears whose rows it holds, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -203,8 +203,9 @@ class Decoder:
     its place in the cache plus delta, the prompt's M-RoPE delta.
 
     The prefill's cache is moved into the buffers a layer at a time (its layers then view them), and close() hands
-    each layer back as an exact-size copy holding every decoded position, a layer at a time: what the cache would
-    hold had transformers' forward decoded, for conversation memory to keep, and never two copies of it at once.
+    it back as an exact-size copy holding every decoded position: what the cache would hold had transformers' forward
+    decoded, for conversation memory to keep. Both are one block of their own pages (kv.mapped), so the room an
+    answer does not use is never resident, and what a conversation keeps leaves no hole in the heap when it goes.
     """
 
     def __init__(self, model: nn.Module, cache: DynamicCache, room: int, delta: int):
@@ -212,14 +213,19 @@ class Decoder:
         self.prompt = self.n = cache.get_seq_length()
         self.delta = delta
         self.qk_weights = [layer.self_attn.qk_weight() for layer in self.text.layers]
-        self.keys, self.values = [], []
-        for layer in cache.layers:
-            for name, buffers in (("keys", self.keys), ("values", self.values)):
-                source = getattr(layer, name)
-                buffer = source.new_empty(*source.shape[:2], self.n + room, source.shape[3])
-                buffer[:, :, :self.n] = source
-                setattr(layer, name, buffer[:, :, :self.n])
-                buffers.append(buffer)
+        # The pairs are read a layer at a time, so each layer's prefill tensors are freed once moved.
+        self.keys, self.values = self._move(((layer.keys, layer.values) for layer in cache.layers), self.n + room)
+
+    def _move(self, pairs, size: int) -> tuple[list, list]:
+        """Copy each layer's (keys, values) in pairs, all their positions, into one new block with room for size;
+        the cache's layers then view the block. The block's keys and values, per layer."""
+        like = self.cache.layers[0].keys
+        block = kv.mapped((len(self.cache.layers), 2, *like.shape[:2], size, like.shape[3]), like.dtype)
+        for layer, (keys, values), (old_keys, old_values) in zip(self.cache.layers, block, pairs):
+            n = old_keys.shape[2]
+            keys[:, :, :n], values[:, :, :n] = old_keys, old_values
+            layer.keys, layer.values = keys[:, :, :n], values[:, :, :n]
+        return list(block[:, 0]), list(block[:, 1])
 
     def step(self, token: int) -> torch.Tensor:
         """The next position's logits (one vocabulary-sized row) after feeding token."""
@@ -228,11 +234,10 @@ class Decoder:
     def close(self, keep_decoded: bool = True, fed: int | None = None):
         """Hand the cache back with every position (or, keep_decoded=False, the prompt's alone; fed: only the first
         fed decoded ones)."""
-        n = (self.n if fed is None else min(self.n, self.prompt + fed)) if keep_decoded else self.prompt
-        for i, layer in enumerate(self.cache.layers):
-            if self.keys[i] is not None:
-                layer.keys, self.keys[i] = self.keys[i][:, :, :n].clone(), None
-                layer.values, self.values[i] = self.values[i][:, :, :n].clone(), None
+        if self.keys is not None:
+            n = (self.n if fed is None else min(self.n, self.prompt + fed)) if keep_decoded else self.prompt
+            self._move([(keys[:, :, :n], values[:, :, :n]) for keys, values in zip(self.keys, self.values)], n)
+            self.keys = self.values = None  # the buffers' block is unmapped with its last view
 
 
 @torch.inference_mode()
