@@ -435,13 +435,16 @@ class Int8WeightOnly(_Apart):
         super().set_apart(channels, columns)
         self.int8_weight[:, channels] = 0  # their part comes from columns alone
 
+    def bf16_weight(self) -> torch.Tensor:
+        """The weights in bf16, times their row scales, made for one call: a tower that computes in bf16
+        (--vision-dtype) keeps them int8 in memory."""
+        if jit.ready.is_set():
+            return jit.dequantized(self.int8_weight, self.scale)
+        return self.int8_weight.to(torch.bfloat16).mul_(self.scale[:, None])
+
     def forward(self, x):
-        if x.dtype == torch.bfloat16:  # a tower that computes in bf16 (--vision-dtype): the weights in bf16 for a call
-            if jit.ready.is_set():
-                weight = jit.dequantized(self.int8_weight, self.scale)
-            else:
-                weight = self.int8_weight.to(torch.bfloat16).mul_(self.scale[:, None])
-            return F.linear(x, weight, self.bias)
+        if x.dtype == torch.bfloat16:
+            return F.linear(x, self.bf16_weight(), self.bias)
         rows = x.reshape(-1, self.in_features)
         flat = rows.bfloat16()
         if flat.shape[0] <= W8A16_ROWS:
