@@ -22,7 +22,7 @@ from transformers.initialization import no_init_weights
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb, eager_attention_forward
 
-from qvl.engine import jit, kv, quant
+from qvl.engine import cpu, jit, kv, quant
 
 # A fused linear's name -> the checkpoint linears whose rows it holds, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -135,8 +135,10 @@ class MLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-# oneDNN computes bf16 linears on CPUs with AVX-512 or AMX; elsewhere its fused linear refuses bf16.
-FUSES_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+# oneDNN computes bf16 linears on x86 CPUs with AVX-512 or AMX; elsewhere its fused linear refuses bf16, and on Arm
+# (another oneDNN backend) it was never run.
+FUSES_BF16 = (not cpu.arm() and torch.backends.mkldnn.is_available()
+              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
