@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import checkpoint, modelcache, quant
+from qvl.engine import checkpoint, heap, modelcache, quant
 from qvl.engine.local import Engine
 from qvl.settings import GenParams
 
@@ -207,6 +207,20 @@ def test_the_weights_are_read_packed_and_repacked_below_the_priority_of_the_page
     mine = _priority()  # the thread that builds the page and answers
     assert {name.rstrip("_0123456789") for name, _ in packs} == {"convert", "pack", "settle"}
     assert reads and all(priority > mine for priority in reads) and all(priority > mine for _, priority in packs)
+    assert _answer(engine) == want
+
+
+def test_a_start_from_the_model_cache_hands_what_each_layer_freed_back_as_it_goes(tiny_dir, tmp_path, monkeypatch):
+    """As converting does: the reader trims the heap after each layer it builds, not once at the end."""
+    store = ["--model-cache-dir", str(tmp_path)]
+    want = _answer(_start(tiny_dir, "int8", *store))
+    trims, trim, build = [], heap.trim, modelcache.Reader._build
+    monkeypatch.setattr(modelcache.Reader, "_build", lambda self, *args: trims.append("built") or build(self, *args))
+    monkeypatch.setattr(heap, "trim", lambda: trims.append("trim") or trim())
+    engine = _start(tiny_dir, "int8", *store)
+    built, last = trims.count("built"), len(trims) - 1 - trims[::-1].index("built")
+    # Before the last layer's building began, a trim for each layer built but the few still in flight.
+    assert built > 10 and trims[:last].count("trim") >= built - 4, trims
     assert _answer(engine) == want
 
 

@@ -323,6 +323,9 @@ class Reader:
             crc = [0]
             for name, layer in checkpoint.side_by_side(self._layers(crc), self._workers):
                 self._put(name, layer)
+                # What building it freed (its packing's scratch) back to the OS now, as converting does: left to the
+                # end, the holes between the layers made a 2B start peak anywhere from 3.5 to 4.7 GB.
+                heap.trim()
             if not self._closing.is_set() and f"{crc[0]:08x}" != self._metadata["crc32"]:
                 raise ValueError("data does not match its CRC-32")
         except Exception as e:
