@@ -132,7 +132,7 @@ def kernels(request, engine, monkeypatch):
     if request.param == "jit":
         ready.set()
     monkeypatch.setattr(jit, "ready", ready)
-    for name in ("attend", "in_two_parts", "norm", "rope"):
+    for name in ("attend", "in_two_parts", "levels", "norm", "rope", "vision_rope"):
         kernel = getattr(jit, name)
         monkeypatch.setattr(jit, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
     with jit._warming:

@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 from transformers import AutoModelForImageTextToText, DynamicCache
+from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import checkpoint, generate, kv, lean
+from qvl.engine import checkpoint, generate, jit, kv, lean
 from test_engine import picture
 
 STEPS = 40
@@ -53,16 +54,40 @@ def test_every_text_layer_is_fused_and_the_vision_tower_only_embeds_its_patches_
     assert "model.visual.patch_embed.proj.weight" in model.state_dict()  # the checkpoint's names stay
 
 
-def test_the_patch_embedding_as_a_matmul_gives_transformers_image_features(engine, plain, prompt):
-    """fp32: what the tower makes of an image, deepstack features included, is transformers' own (its conv), within
-    the order a matmul sums in."""
+def test_the_vision_tower_makes_transformers_image_features_with_its_patches_embedded_and_rotated_its_own_way(
+        engine, plain, kernels):
+    """fp32, two images of different sizes, each attending over its own patches: what the tower makes of them,
+    deepstack features included, is transformers' own (its conv, its rotation), within the order a matmul sums in.
+    Once the kernels are warm, each block's q and k are rotated by one (jit.vision_rope)."""
     assert not isinstance(plain.model.visual.patch_embed, lean.PatchEmbed)
+    assert all(isinstance(block.attn, lean.VisionAttention) for block in engine.model.model.visual.blocks)
+    images = (picture(), picture(200, 330, (10, 160, 40)))
+    inputs, _ = engine._inputs([Turn("user", "Which is greener?", images)], settings.GenParams())
+    assert len(inputs["image_grid_thw"]) == 2
     with torch.inference_mode():
-        ours, theirs = (model.model.visual(prompt["pixel_values"], grid_thw=prompt["image_grid_thw"])
+        ours, theirs = (model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
                         for model in (engine.model, plain))
     for mine, want in zip([ours.pooler_output, *ours.deepstack_features],
                           [theirs.pooler_output, *theirs.deepstack_features]):
         assert torch.allclose(mine, want, atol=TOLERANCE, rtol=TOLERANCE)
+    blocks = len(engine.model.model.visual.blocks)
+    assert kernels[1] == (["vision_rope"] * blocks if kernels[0] == "jit" else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vision_rotation_kernel_is_transformers_rotation_bit_for_bit(tmp_path, dtype):
+    """In a bf16 tower too: transformers rotates in float32 and rounds once to bf16, as the kernel does."""
+    assert jit.warm(str(tmp_path))
+    torch.manual_seed(0)
+    qkv = torch.randn(300, 3, 4, 16).to(dtype)
+    angles = torch.randn(300, 8) * 30
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q, k, v = qkv.permute(1, 0, 2, 3).unbind(0)
+    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    ours = jit.vision_rope(qkv, cos, sin)
+    for mine, want in zip(ours, (q, k, v)):
+        assert mine.dtype == dtype and mine.is_contiguous()
+        assert torch.equal(mine, want.transpose(0, 1).unsqueeze(0))
 
 
 def test_lean_steps_give_transformers_logits_position_by_position(engine, plain, prompt, kernels, monkeypatch):
@@ -86,7 +111,8 @@ def test_lean_steps_give_transformers_logits_position_by_position(engine, plain,
     assert len(calls) == STEPS * layers
     if kernels[0] == "jit":  # each layer's q/k/v into place and its attention, every norm (two a layer, the final)
         assert Counter(kernels[1]) == {"rope": STEPS * layers, "attend": STEPS * layers,
-                                       "norm": STEPS * (2 * layers + 1)}
+                                       "norm": STEPS * (2 * layers + 1),
+                                       "vision_rope": len(engine.model.model.visual.blocks)}  # the prompt's image
     else:
         assert kernels[1] == []
 

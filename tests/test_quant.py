@@ -306,7 +306,7 @@ def test_onednn_decodes_w8a14_rows_exactly_as_fbgemm_and_prefills_no_farther_fro
     monkeypatch.setattr(quant, "_whole_numbers", lambda q, *args: took.append(q.dtype) or whole_numbers(q, *args))
     for rows in (1, quant.DECODE_ROWS):
         assert torch.equal(ours(x[:, :rows]), theirs(x[:, :rows]))
-    assert kernels[1] == (["in_two_parts"] * 4 if kernels[0] == "jit" else [])
+    assert kernels[1] == (["levels"] + ["in_two_parts"] * 4 if kernels[0] == "jit" else [])  # oneDNN's prompt too
     # The numba split writes oneDNN's uint8 input itself; torch's split gives float parts to quantize (and fbgemm's).
     assert took == ([torch.uint8, torch.float32] * 2 if kernels[0] == "jit" else [torch.float32] * 4)
 
@@ -330,6 +330,26 @@ def test_onednns_prompt_rows_are_each_quantized_at_their_own_peak_and_scaled_in_
     monkeypatch.setattr(quant, "_dynamic", lambda *_: pytest.fail("a prompt's rows took _dynamic's path"))
     for ours in (linear, pieces):
         assert torch.allclose(ours(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("kernels", ["jit"], indirect=True)
+def test_once_warm_a_prompts_rows_are_quantized_for_onednn_by_one_kernel_bit_for_bit(onednn, kernels):
+    """jit.levels makes the uint8 levels and peaks that torch's five ops make, loud and silent rows and a width
+    that is no multiple of the kernel's 16 lanes included, so the linear's output is the same bit for bit."""
+    torch.manual_seed(0)
+    linear = quant._dynamic_int8(torch.nn.Linear(520, 96))
+    x = torch.randn(1, 41, 520) * torch.logspace(-3, 2, 41)[:, None]
+    x[0, 7] = 0
+    x[0, 9, 515] = -1e3  # its peak in the last lanes
+    levels, peaks = jit.levels(x)
+    want = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
+    assert torch.equal(peaks, want) and peaks.shape == (1, 41, 1)
+    assert torch.equal(levels, torch.quantize_per_tensor(x / want, 1 / 127, 128, torch.quint8).int_repr())
+    kernels[1].clear()
+    ours = linear(x)
+    assert kernels[1] == ["levels"]
+    jit.ready.clear()  # torch's ops
+    assert torch.equal(ours, linear(x)) and kernels[1] == ["levels"]
 
 
 def test_an_onednn_engine_says_so_and_answers_no_farther_from_fp32_than_the_fbgemm_one(tiny_dir, tmp_path, onednn):

@@ -98,6 +98,47 @@ def _split_kernel(rows, parts, offset):
     return levels
 
 
+def _levels_kernel(rows, out):
+    """Each row over its peak in 127 levels a side, plus 128: oneDNN's uint8 input for a prompt, a scale per row
+    (quant.Int8Linear._per_token in torch's ops, bit for bit: x / peak, times 1 over the float32 scale 1/127, plus
+    128 in one rounding, then rounded half to even); returns the peaks."""
+    r, n = rows.shape
+    peaks = np.empty((r, 1), np.float32)
+    inverse = np.float32(1) / np.float32(1 / 127)
+    whole = n - n % 16
+    for i in prange(r):
+        lanes = np.zeros(16, np.float32)  # 16 running peaks: one is a chain of dependent maxima, 4x slower
+        for j in range(0, whole, 16):
+            for lane in range(16):
+                lanes[lane] = max(lanes[lane], abs(rows[i, j + lane]))
+        peak = max(lanes.max(), np.float32(1.1754944e-38))
+        for j in range(whole, n):
+            peak = max(peak, abs(rows[i, j]))
+        peaks[i, 0] = peak
+        for j in range(n):  # x / peak * inverse + 128 rounded once (contracted), as torch's quantization computes it
+            out[i, j] = np.uint8(np.rint(rows[i, j] / peak * inverse + np.float32(128)))
+    return peaks
+
+
+def _vision_rope_kernel(qkv, cos, sin, q, k, v):
+    """A vision block's q/k/v (qkv: positions x 3 x heads x dim) into the layout attention reads (heads x positions x
+    dim each), q and k rotated as transformers rotates them: x * cos + rotate_half(x) * sin in float32, each product
+    and the sum rounded once, then stored as q is (store)."""
+    positions, _, heads, dim = qkv.shape
+    half = dim // 2
+    for p in prange(positions):
+        bits, y = np.empty(dim, np.uint32), np.empty(dim, np.float32)
+        for h in range(heads):
+            for part in range(2):
+                x = widen(qkv[p, part, h], bits)
+                for i in range(half):
+                    y[i] = x[i] * cos[p, i] + (-x[i + half]) * sin[p, i]
+                for i in range(half, dim):
+                    y[i] = x[i] * cos[p, i] + x[i - half] * sin[p, i]
+                store(y, q[h, p] if part == 0 else k[h, p])
+            v[h, p] = qkv[p, 2, h]
+
+
 def _join_kernel(y, levels, scale, out):
     """out = (y[:r] + y[r:] / 126) * levels * scale: the two parts' outputs back as one row each, each column times
     its weight row's scale."""
@@ -177,7 +218,7 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 
 # The compiled kernels, and numba's thread count for this thread.
-_attend = _dequantize = _split = _join = _norm = _rope = _set_threads = None
+_attend = _dequantize = _levels = _vision_rope = _split = _join = _norm = _rope = _set_threads = None
 _max_threads = 1
 
 
@@ -185,7 +226,7 @@ def warm(cache_dir: str) -> bool:
     """Import numba and compile the kernels (or load them from numba's cache in cache_dir/numba, unless
     NUMBA_CACHE_DIR says where), then set ready; False, with one log line, where numba cannot be imported or compile
     (torch's ops go on serving)."""
-    global prange, _attend, _dequantize, _split, _join, _norm, _rope, _set_threads, _max_threads
+    global prange, _attend, _dequantize, _levels, _vision_rope, _split, _join, _norm, _rope, _set_threads, _max_threads
     with _warming:
         if _attend is None:
             start = time.perf_counter()
@@ -199,8 +240,18 @@ def warm(cache_dir: str) -> bool:
                 attend = numba.njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
                 kernels = attend(_attend_kernel), *map(numba.njit(nogil=True, cache=True),
                                                        (_split_kernel, _join_kernel, _norm_kernel, _rope_kernel))
-                dequantize = numba.njit(parallel=True, nogil=True, cache=True)(_dequantize_kernel)
+                # A prompt's: exact, and over every core (each row, or position, on its own).
+                dequantize, vision_rope = map(numba.njit(parallel=True, nogil=True, cache=True),
+                                              (_dequantize_kernel, _vision_rope_kernel))
+                # contract: x / peak * inverse + 128 in one rounding, as torch's (fbgemm's) quantization does it.
+                in_levels = numba.njit(parallel=True, nogil=True, cache=True,
+                                       fastmath={"contract", "nnan", "ninf", "nsz"})(_levels_kernel)
                 dequantize(np.ones((2, 2), np.int8), np.ones(2, np.uint16), np.zeros((2, 2), np.uint16))
+                in_levels(np.ones((2, 2), np.float32), np.zeros((2, 2), np.uint8))
+                for dtype in (np.float32, np.uint16):  # an fp32 tower's, a bf16 one's
+                    out = np.zeros((1, 1, 2), dtype)
+                    vision_rope(np.zeros((1, 3, 1, 2), dtype), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
+                                out, out.copy(), out.copy())
                 q, rows = np.zeros((1, 1, 2), np.float32), np.ones((3, 2), np.float32)
                 caches = np.zeros((1, 2, 2), np.float32), np.zeros((1, 2, 2), np.uint16)  # float32 and bf16
                 for cache in caches:
@@ -215,6 +266,7 @@ def warm(cache_dir: str) -> bool:
                             type(e).__name__, e)
                 return False
             (_attend, _split, _join, _norm, _rope), _dequantize = kernels, dequantize
+            _levels, _vision_rope = in_levels, vision_rope
             log.info("the numba decode kernels are ready (%.1f s; cached in %s)", time.perf_counter() - start,
                      numba.config.CACHE_DIR)
         ready.set()
@@ -240,6 +292,31 @@ def dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         _set_threads(min(torch.get_num_threads(), _max_threads))
         _dequantize(values.numpy(), _array(scale), _array(out))
     return out
+
+
+def levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_levels_kernel: x's rows (float32) as oneDNN's uint8 input at scale 1/127 and zero point 128, each over its own
+    peak, and the peaks (x's shape with 1 last). A prompt's int8 linear took five torch ops to make them, ~2 ms around
+    a 404-row call of the 2B's down projection."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(rows.shape, dtype=torch.uint8)
+    with _launch:
+        _set_threads(min(torch.get_num_threads(), _max_threads))
+        peaks = _levels(rows.numpy(), out.numpy())
+    return out.view(x.shape), torch.from_numpy(peaks).view(*x.shape[:-1], 1)
+
+
+def vision_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """_vision_rope_kernel: a vision block's q, k and v (1 x heads x positions x dim each, qkv's dtype) from its qkv
+    output (positions x 3 x heads x dim), q and k rotated; transformers' rotation is ~14 torch ops a block, 5 ms for
+    the 2B's 1200 patches."""
+    positions, _, heads, dim = qkv.shape
+    q, k, v = torch.empty(3, 1, heads, positions, dim, dtype=qkv.dtype)
+    with _launch:
+        _set_threads(min(torch.get_num_threads(), _max_threads))
+        _vision_rope(_array(qkv.contiguous()), cos.float().contiguous().numpy(), sin.float().contiguous().numpy(),
+                     *(_array(t[0]) for t in (q, k, v)))
+    return q, k, v
 
 
 def in_two_parts(rows: torch.Tensor, linear, scale: torch.Tensor, uint8: bool) -> torch.Tensor:
