@@ -1,6 +1,7 @@
 """Answers decoded together (--batch, qvl.engine.batch) are the answers each would get alone."""
 import asyncio
 import math
+import os
 import threading
 import time
 import unittest.mock
@@ -381,3 +382,43 @@ def test_a_prefill_lends_a_step_before_the_running_answers_wait_would_pass_the_p
         assert [scheduler._due(now, 0.1) for now in waits] == [False] * 3 + [True] * 6
     finally:
         scheduler.close()
+
+
+def native_workers() -> set[int]:
+    """The process's OS threads that are no Python thread: OpenMP's workers among them."""
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+@pytest.mark.parametrize("seats", [1, 2])
+def test_no_thread_keeps_openmp_workers_once_it_stops_computing(tiny_dir, tmp_path, seats):
+    """libgomp gives every thread that runs parallel ops a team of workers, and with more teams than cores each
+    team only spins briefly between ops before it sleeps (slower steps: cpu.release_threads). Requests that answered
+    in threads which live on (a server's workers), and the batch's scheduler once idle, hold no workers."""
+    engine = _engine(tiny_dir, tmp_path, seats)
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: OpenMP makes no workers")
+    requests, done, leave = _requests()[:2], [threading.Event() for _ in range(2)], threading.Event()
+
+    def answer(i):
+        list(engine.chat(*requests[i]))
+        done[i].set()
+        leave.wait()  # alive, as a server's worker thread is between requests
+
+    for _ in range(2):  # a first round starts what lives on (the tokenizer's pool, the kernels' runtime)
+        before, threads = native_workers(), [threading.Thread(target=answer, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(60) for event in done)
+        deadline = time.monotonic() + 10  # the scheduler's last step may still be on its way to its idle wait
+        while (new := native_workers() - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        leave.set()
+        for thread in threads:
+            thread.join()
+        for event in done:
+            event.clear()
+        leave.clear()
+    assert not new, f"{len(new)} OpenMP workers kept by threads that no longer compute"
+    torch.ones(1000, 1000).mul(2)  # a parallel op here makes a team, which the check would see
+    assert native_workers() - before, "the check sees a team's workers"

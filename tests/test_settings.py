@@ -222,6 +222,35 @@ def test_default_threads_follow_the_cgroup_quota(tmp_path):
     assert cpu.available_cores(v1) == 1
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_a_thread_hands_its_openmp_workers_back_and_gets_them_again_when_it_computes():
+    import threading
+    import torch
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: OpenMP makes no workers")
+    seen, x = [], torch.ones(1000, 1000)
+
+    def workers():  # the process's OS threads that are no Python thread
+        seen.append({int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()})
+
+    def compute():
+        workers()
+        x.mul(2)  # parallel: this thread's team of workers
+        workers()
+        cpu.release_threads()
+        workers()
+        assert torch.equal(x.mul(2), torch.full((1000, 1000), 2.0))
+        workers()
+        cpu.release_threads()
+
+    thread = threading.Thread(target=compute)
+    thread.start()
+    thread.join()
+    alone, working, released, again = seen
+    team = working - alone
+    assert team and not team & released and again - released
+
+
 def run_app(*flags: str, **env: str):
     """`python app.py FLAGS` with Python's import log, in the environment without QVL_* and GRADIO_* variables but
     with env: (exit code, stdout, stderr, the modules it imported)."""

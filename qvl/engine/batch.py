@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 
 from torch import nn
 
-from qvl.engine import generate, lean
+from qvl.engine import cpu, generate, lean
 
 # The longest the running answers should wait for their next token while a prefill runs: it lends them a step before
 # their wait, one more of its layers and the step (each as long as the last one) would pass this. Every lent step
@@ -104,6 +104,7 @@ class Scheduler:
                 return
             self._lending, returned = True, self._returned
             self._changed.notify_all()
+        cpu.release_threads()  # the lent step computes alone
         self.lock.release()
         try:
             with self._changed:
@@ -157,6 +158,7 @@ class Scheduler:
         while True:
             with self._changed:
                 while not (self._waiting or self._running or self._closing):
+                    cpu.release_threads()  # the next to compute may be a prefill, in its own thread
                     self._changed.wait()
                 if self._closing and not (self._waiting or self._running):
                     return
@@ -183,6 +185,7 @@ class Scheduler:
         """One step of the answers that need one, once no prefill holds or wants the lock, or one lends it."""
         with self._changed:
             while feeding and self._prefills and not self._lending:
+                cpu.release_threads()  # the prefill computes alone
                 self._changed.wait()
                 for seat in [seat for seat in feeding if seat.gone.is_set()]:  # stopped: not worth a step
                     feeding.remove(seat)

@@ -1,4 +1,5 @@
 """What CPU this process really runs on: usable cores and the instruction sets that pick kernels."""
+import ctypes
 import gc
 import os
 import platform
@@ -37,6 +38,27 @@ def _cgroup_quota(root: Path) -> float | None:
     if quota in ("max", "-1"):
         return None
     return max(1.0, int(quota) / int(period))
+
+
+# The OpenMP runtimes whose worker threads a thread may hold: torch's libgomp (by its soname) and the system's, which
+# numba's OpenMP layer links by this name once its kernels have run. Found once each is loaded; never loaded here.
+_OPENMP_NAMES, _openmp = ("libgomp.so.1", "libgomp.so.1.0.0"), {}
+
+
+def release_threads():
+    """Hand the calling thread's OpenMP worker threads back, in every OpenMP runtime loaded; its next parallel op makes
+    them again (~70 us). libgomp gives each thread that runs parallel work a team of its own, and once the teams
+    outnumber the cores every team spins only briefly between parallel regions before it sleeps: where a request's
+    thread prefilled and another stepped, a 2B decode step of four answers took 151-158 ms against 131-138 with one
+    team (docs/performance.md, "Figures behind the code"). So a thread that stops computing on the model says so."""
+    for name in _OPENMP_NAMES:
+        if name not in _openmp and hasattr(os, "RTLD_NOLOAD"):
+            try:
+                _openmp[name] = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            except OSError:  # not loaded (yet), or not glibc's OpenMP: another runtime, nothing to hand back
+                continue
+        if name in _openmp:
+            _openmp[name].omp_pause_resource_all(1)  # omp_pause_soft; libgomp frees this thread's teams either way
 
 
 def background(lower: int = 10):

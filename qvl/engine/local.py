@@ -187,6 +187,7 @@ class Engine:
             self.scheduler.interleave([*self.model.model.visual.blocks, *self.model.model.language_model.layers])
         self._settler = threading.Thread(target=self._settle, args=(keep,), name="settle", daemon=True)
         self._settler.start()
+        cpu.release_threads()  # loading computed in this thread, which may live on (a bench's, a test's)
         self.loaded.set()
 
     def _load_in_background(self):
@@ -400,6 +401,7 @@ class Engine:
                             self._image_features(inputs, self._images(turns, inputs, params), 0)
                         break
                     except _GaveWay:
+                        cpu.release_threads()  # the request it gave way to computes alone
                         continue
         finally:
             with self._lock:
@@ -448,6 +450,7 @@ class Engine:
         whole, prefilling = ((self._lock, contextlib.nullcontext()) if self.scheduler is None else
                              (contextlib.nullcontext(), self.scheduler.prefilling()))
         keep_answer, answer, reserved, tokens = self.mode not in quant.PROMPT_TWINS, None, 0, None
+        cpu.release_threads()  # making the inputs may have computed in parallel; the lock may take a while
         with whole:
             ids, sent, first, failed = [], "", None, False
             opening, thought = THINK + "\n" if self.thinking else "", None  # thought: when THOUGHT came
@@ -466,6 +469,9 @@ class Engine:
                     else:
                         answer = generate.Answer(self.model, prefill, params, self._stop, delta)
                         tokens = self.scheduler.stream(answer, keep_answer)
+                # This thread computes again only if it steps alone, maybe in another thread (a server resumes a
+                # generator in any of its workers): no thread keeps OpenMP workers while it waits (cpu.release_threads).
+                cpu.release_threads()
                 for token in tokens:
                     first = first or time.perf_counter()
                     ids.append(token)
@@ -473,6 +479,7 @@ class Engine:
                     if opening and thought is None and THOUGHT in text:
                         thought = time.perf_counter()
                     if not text.endswith("\ufffd"):  # hold back a half-decoded UTF-8 character
+                        cpu.release_threads()
                         yield text[len(sent):]
                         sent = text
             except Exception:
@@ -488,6 +495,7 @@ class Engine:
                     # left unfed by a client that went away); stopped answers too, for a follow-up to reuse.
                     cache = prefill["cache"]
                     self.kv.keep((prompt + tuple(ids))[:cache.get_seq_length()], cache)
+            cpu.release_threads()
             text = opening + self.processor.tokenizer.decode(ids, skip_special_tokens=True)
             if text != sent:
                 yield text[len(sent):]
