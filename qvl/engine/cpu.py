@@ -48,9 +48,9 @@ _OPENMP_NAMES, _openmp = ("libgomp.so.1", "libgomp.so.1.0.0"), {}
 def release_threads():
     """Hand the calling thread's OpenMP worker threads back, in every OpenMP runtime loaded; its next parallel op makes
     them again (~70 us). libgomp gives each thread that runs parallel work a team of its own, and once the teams
-    outnumber the cores every team spins only briefly between parallel regions before it sleeps: where a request's
-    thread prefilled and another stepped, a 2B decode step of four answers took 151-158 ms against 131-138 with one
-    team (docs/performance.md, "Figures behind the code"). So a thread that stops computing on the model says so."""
+    outnumber the cores every team spins only briefly between parallel regions before it sleeps: with an idle team
+    kept by another thread, a 2B decode step of four answers took 151-158 ms against 131-138 with one team
+    (docs/performance.md, "Figures behind the code"). So a thread that stops computing on the model says so."""
     for name in _OPENMP_NAMES:
         if name not in _openmp and hasattr(os, "RTLD_NOLOAD"):
             try:
