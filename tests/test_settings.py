@@ -228,19 +228,17 @@ def test_a_thread_hands_its_openmp_workers_back_and_gets_them_again_when_it_comp
     import torch
     if torch.get_num_threads() < 2:
         pytest.skip("one thread: OpenMP makes no workers")
+    from test_batch import native_workers
     seen, x = [], torch.ones(1000, 1000)
 
-    def workers():  # the process's OS threads that are no Python thread
-        seen.append({int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()})
-
     def compute():
-        workers()
+        seen.append(native_workers())
         x.mul(2)  # parallel: this thread's team of workers
-        workers()
+        seen.append(native_workers())
         cpu.release_threads()
-        workers()
+        seen.append(native_workers())
         assert torch.equal(x.mul(2), torch.full((1000, 1000), 2.0))
-        workers()
+        seen.append(native_workers())
         cpu.release_threads()
 
     thread = threading.Thread(target=compute)

@@ -273,13 +273,18 @@ def warm(cache_dir: str) -> bool:
         return True
 
 
+def _engine_threads():
+    """Under _launch: numba's thread count for this thread (numba keeps one per thread) set to the engine's."""
+    _set_threads(min(torch.get_num_threads(), _max_threads))
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, scale: float) -> torch.Tensor:
     """Attention of q (kv heads x queries each x head_dim) over the first n positions of the buffers keys and values
     (kv heads x room x head_dim, float32 or bf16); the output has q's shape."""
     q = q.contiguous()
     out = torch.empty_like(q)
     with _launch:
-        _set_threads(min(torch.get_num_threads(), _max_threads))  # the engine's setting; numba's is per thread
+        _engine_threads()
         _attend(q.numpy(), _array(keys), _array(values), n, scale, out.numpy())
     return out
 
@@ -289,7 +294,7 @@ def dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     vision tower converts its int8 weights for each image, and torch's two ops took twice as long."""
     out = torch.empty(values.shape, dtype=torch.bfloat16)
     with _launch:
-        _set_threads(min(torch.get_num_threads(), _max_threads))
+        _engine_threads()
         _dequantize(values.numpy(), _array(scale), _array(out))
     return out
 
@@ -301,7 +306,7 @@ def levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape, dtype=torch.uint8)
     with _launch:
-        _set_threads(min(torch.get_num_threads(), _max_threads))
+        _engine_threads()
         peaks = _levels(rows.numpy(), out.numpy())
     return out.view(x.shape), torch.from_numpy(peaks).view(*x.shape[:-1], 1)
 
@@ -313,7 +318,7 @@ def vision_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tupl
     positions, _, heads, dim = qkv.shape
     q, k, v = torch.empty(3, 1, heads, positions, dim, dtype=qkv.dtype)
     with _launch:
-        _set_threads(min(torch.get_num_threads(), _max_threads))
+        _engine_threads()
         _vision_rope(_array(qkv.contiguous()), cos.float().contiguous().numpy(), sin.float().contiguous().numpy(),
                      *(_array(t[0]) for t in (q, k, v)))
     return q, k, v
