@@ -46,6 +46,7 @@ def run(config) -> bool:
     """Load, serve until Ctrl+C or SIGTERM, and stop; False when stopped while the weights load."""
     cpu.hold_collector()  # until the page is up
     heap.limit_arenas()  # before the model, the server and their threads
+    heap.map_apart()  # before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes, one line each
     if not config.backend:

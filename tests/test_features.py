@@ -11,7 +11,7 @@ import time
 import pytest
 
 from qvl.conversation import Turn
-from qvl.engine import features
+from qvl.engine import features, heap
 from test_engine import picture
 from test_kv import ask, assert_same_answer, tower
 
@@ -45,6 +45,23 @@ def test_features_are_kept_in_memory_too(memoryless):
     shutil.rmtree(engine.features.disk.directory)
     calls = tower(engine)
     assert ask(engine, OTHER).stats.cached_images == 1 and calls == []
+
+
+def test_features_kept_in_memory_are_one_block_of_their_own_outside_the_heap(memoryless, monkeypatch):
+    """heap.mapped: kept through many requests, in the heap an image's features would pin the memory that those
+    requests' tensors free around them. As the tower computes them and as read back from disk."""
+    blocks, mapped = [], heap.mapped
+    monkeypatch.setattr(heap, "mapped", lambda shape, dtype: blocks.append(mapped(shape, dtype)) or blocks[-1])
+    first = memoryless()
+    ask(first, QUESTION)
+    restarted = memoryless()
+    assert ask(restarted, OTHER).stats.cached_images == 1  # read from disk
+    starts = {block.untyped_storage().data_ptr() for block in blocks}
+    for store in (first.features, restarted.features):
+        assert store._memory
+        for merged, deepstack in store._memory.values():
+            storages = {t.untyped_storage().data_ptr() for t in (merged, *deepstack)}
+            assert len(storages) == 1 and storages <= starts, "each image's features in one block of heap.mapped's"
 
 
 def damage(folder, how):

@@ -68,15 +68,46 @@ def test_requests_in_worker_threads_reuse_the_pages_too_with_one_arena(python_ch
     assert trimmed > 30000 and held < trimmed / 3, (held, trimmed)
 
 
-MAPPED = """
+MALLINFO = """
 import ctypes, json, torch
-from qvl.engine import heap, kv
+from qvl.engine import heap
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 heap._LIBC.mallinfo2.restype = MallInfo2
+"""
+
+APART = MALLINFO + """
+def blocks():  # malloc's heap blocks in use, and the blocks it mapped apart
+    info = heap._LIBC.mallinfo2()
+    return info.uordblks, info.hblkhd
+
+heap.map_apart()
+freed = torch.ones(20 << 20, dtype=torch.uint8)  # a block a load frees: glibc's own threshold would rise to 20 MB
+del freed
+before = blocks()
+loading = torch.ones(3 << 20, dtype=torch.uint8)
+during_load = blocks()
+heap.hold_freed()
+serving = torch.ones(3 << 20, dtype=torch.uint8)
+print(json.dumps([before, during_load, blocks()]))
+"""
+
+
+def test_while_the_model_loads_large_blocks_are_mapped_apart_and_afterwards_requests_reuse_the_heap(python_child):
+    """heap.map_apart, then hold_freed: a 3 MB tensor allocated while loading, after a 20 MB one was freed, gets
+    pages of its own (a weight then leaves no hole in the heap; by default glibc would have raised its threshold past
+    it), one allocated while serving comes from the heap (and its pages are kept for the next request's)."""
+    child = python_child(APART)
+    assert child.returncode == 0, child.stderr[-2000:]
+    (heap0, apart0), (heap1, apart1), (heap2, apart2) = json.loads(child.stdout)
+    assert apart1 - apart0 >= 3 << 20 and heap1 - heap0 < 1 << 20, "mapped apart while loading"
+    assert heap2 - heap1 >= 3 << 20 and apart2 == apart1, "from the heap while serving"
+
+
+MAPPED = MALLINFO + """
 heap.hold_freed()
 
 def megabytes():  # resident, and held by malloc (its heap's blocks in use and the blocks it mapped)
@@ -84,7 +115,7 @@ def megabytes():  # resident, and held by malloc (its heap's blocks in use and t
     return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20, (info.uordblks + info.hblkhd) >> 20
 
 start = megabytes()
-tensor = kv.mapped((64, 1 << 20), torch.uint8)
+tensor = heap.mapped((64, 1 << 20), torch.uint8)
 tensor[:8] = 1
 written = megabytes()
 view = tensor[:8]
@@ -98,9 +129,9 @@ print(json.dumps([start, written, viewed, megabytes()]))
 
 def test_a_mapped_tensor_is_outside_mallocs_heap_resident_where_written_and_handed_back_with_its_last_view(
         python_child):
-    """kv.mapped, which holds the keys and values of answers and conversations: 64 MB with 8 written is ~8 MB
-    resident (what torch's first ops map besides), none of it malloc's; a view keeps it, and once the last one goes
-    it leaves the process."""
+    """heap.mapped, which holds the keys and values of answers and conversations and the image features kept in
+    memory: 64 MB with 8 written is ~8 MB resident (what torch's first ops map besides), none of it malloc's; a view
+    keeps it, and once the last one goes it leaves the process."""
     child = python_child(MAPPED)
     assert child.returncode == 0, child.stderr[-2000:]
     (rss, malloc), written, viewed, freed = json.loads(child.stdout)

@@ -10,7 +10,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import checkpoint, generate, jit, kv, lean
+from qvl.engine import checkpoint, generate, heap, jit, kv, lean
 from test_engine import picture
 
 STEPS = 40
@@ -198,8 +198,8 @@ def test_a_sampled_answer_and_the_cache_it_leaves_match_transformers(engine, pla
                             logits_to_keep=1)
     assert ids == expected
 
-    cache, blocks, mapped = DynamicCache(config=engine.model.config), [], kv.mapped
-    monkeypatch.setattr(kv, "mapped", lambda shape, dtype: blocks.append(shape[-2]) or mapped(shape, dtype))
+    cache, blocks, mapped = DynamicCache(config=engine.model.config), [], heap.mapped
+    monkeypatch.setattr(heap, "mapped", lambda shape, dtype: blocks.append(shape[-2]) or mapped(shape, dtype))
     for _ in generate.stream(engine.model, dict(prompt, cache=cache), params, threading.Event()):
         pass
     n = prompt["input_ids"].shape[1]

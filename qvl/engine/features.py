@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 
 from qvl.diskstore import DiskStore
+from qvl.engine import heap
 
 log = logging.getLogger("qvl")
 MEMORY_LIMIT = 256 << 20  # a 300-token image of the 2B model is ~10 MB of fp32 features
@@ -44,6 +45,17 @@ def _size(features: Features) -> int:
     return sum(t.numel() * t.element_size() for t in (features[0], *features[1]))
 
 
+def _apart(features: Features) -> Features:
+    """A copy in one block of pages of its own (heap.mapped): kept in memory through many requests, in the heap each
+    entry would pin the memory their tensors free around it."""
+    tensors = [features[0], *features[1]]
+    block, at, copies = heap.mapped((sum(t.numel() for t in tensors),), features[0].dtype), 0, []
+    for t in tensors:
+        copies.append(block[at:at + t.numel()].view(t.shape).copy_(t))
+        at += t.numel()
+    return copies[0], copies[1:]
+
+
 class FeatureStore:
     def __init__(self, directory: str, size_limit: int | str):
         self.disk = DiskStore(directory, size_limit, what="image-feature store")
@@ -70,12 +82,13 @@ class FeatureStore:
         with self._lock:
             self.hits, self.misses = self.hits + (found is not None), self.misses + (found is None)
         if found is not None:
+            found = _apart(found)  # out of the bytes read
             self._remember(key, found)
         return found
 
     def put(self, key: str, features: Features) -> None:
-        # Copies: the tower's outputs are views of one tensor for all the images it encoded at once.
-        features = features[0].clone(), [t.clone() for t in features[1]]
+        # A copy: the tower's outputs are views of one tensor for all the images it encoded at once.
+        features = _apart(features)
         self._remember(key, features)
         self.disk.write(key, _encode(features))
 

@@ -1,6 +1,9 @@
-"""glibc's heap in a long-running server: few arenas, freed memory kept for the next request while requests come,
-and handed back once they stop, so the resident size stays flat."""
+"""glibc's heap in a long-running server: one arena; the model's weights, and what lives through many requests, in
+pages of their own outside it; what a request frees kept for the next while requests come, and handed back once they
+stop. So a busy server grows little, and an idle one drops back."""
 import ctypes
+import math
+import mmap
 
 try:
     _LIBC = ctypes.CDLL("libc.so.6")
@@ -21,6 +24,17 @@ def limit_arenas(count: int = 1):
         _LIBC.mallopt(_M_ARENA_MAX, count)
 
 
+def map_apart(threshold: int = 1 << 20):
+    """Until hold_freed(): each block of threshold bytes or more in pages of its own, handed back when freed. A load
+    allocates the model's weights amid the blocks that converting and packing them free, and in the heap those left
+    ~2 GB of holes among the 2B's weights that a server's requests then filled and kept (hold_freed): through a
+    200-request soak with --batch 4 the busy server's resident size grew by 1.23 GB, by 0.64 with the weights apart
+    (docs/memory-and-caches.md, "Memory over time"). Call it before the load: glibc's own threshold rises to 32 MB as
+    blocks are freed, and most of a load's blocks would then land in the heap."""
+    if _LIBC is not None:
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
 def hold_freed():
     """Keep the blocks that a request frees in the heap, for the next request's tensors, until trim(). By default
     glibc maps a large block afresh for each allocation and hands freed memory at the heap's top back as it is freed,
@@ -38,3 +52,17 @@ def trim():
     KV cache) would otherwise ratchet a long-running server's memory up."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def mapped(shape: tuple[int, ...], dtype):
+    """An uninitialised tensor in pages mapped for it alone, outside malloc's heap: resident only where written, and
+    handed back to the OS whole once it and every view of it are freed. For what lives through many requests'
+    short-lived tensors (a conversation's keys and values, an image's kept features): in the heap that hold_freed()
+    keeps, each pinned the freed memory around it (docs/memory-and-caches.md, "Memory over time")."""
+    import torch  # here, so that app.py reads this module before torch loads
+
+    count = math.prod(shape)
+    # Private, as malloc's own mappings are (Python's default is shared); Windows' mmap has neither flag.
+    flags = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_ANONYMOUS") else {}
+    pages = mmap.mmap(-1, max(1, count * dtype.itemsize), **flags)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)

@@ -12,8 +12,6 @@ entry will hold all of it. Memory is bounded in bytes, least recently used out; 
 (one per answer decoding, several with --batch) are reserved for before generation starts, so the bound covers them
 too.
 """
-import math
-import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -162,18 +160,6 @@ class Store:
     def _evict(self, room: int) -> None:
         while self._entries and self.used > room:
             self.used -= self._entries.popitem(last=False)[1].nbytes
-
-
-def mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor in pages mapped for it alone, outside malloc's heap: resident only where written, and
-    handed back to the OS whole once it and every view of it are freed. For a conversation's keys and values, which
-    live through many requests' short-lived tensors: in the heap that heap.hold_freed() keeps, each pinned the freed
-    memory around it (docs/memory-and-caches.md, "Memory over time")."""
-    count = math.prod(shape)
-    # Private, as malloc's own mappings are (Python's default is shared); Windows' mmap has neither flag.
-    flags = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_ANONYMOUS") else {}
-    pages = mmap.mmap(-1, max(1, count * dtype.itemsize), **flags)
-    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
 def per_token_bytes(model, dtype: str) -> int:

@@ -23,7 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_vl.modeling_qwen3_vl import (apply_rotary_pos_emb, apply_rotary_pos_emb_vision,
                                                             eager_attention_forward)
 
-from qvl.engine import cpu, jit, kv, quant
+from qvl.engine import cpu, heap, jit, quant
 
 # A fused linear's name -> the checkpoint linears whose rows it holds, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -264,7 +264,7 @@ class Decoder:
 
     The prefill's cache is moved into the buffers a layer at a time (its layers then view them), and close() hands
     it back as an exact-size copy holding every decoded position: what the cache would hold had transformers' forward
-    decoded, for conversation memory to keep. Both are one block of their own pages (kv.mapped), so the room an
+    decoded, for conversation memory to keep. Both are one block of their own pages (heap.mapped), so the room an
     answer does not use is never resident, and what a conversation keeps leaves no hole in the heap when it goes.
     """
 
@@ -280,7 +280,7 @@ class Decoder:
         """Copy each layer's (keys, values) in pairs, all their positions, into one new block with room for size;
         the cache's layers then view the block. The block's keys and values, per layer."""
         like = self.cache.layers[0].keys
-        block = kv.mapped((len(self.cache.layers), 2, *like.shape[:2], size, like.shape[3]), like.dtype)
+        block = heap.mapped((len(self.cache.layers), 2, *like.shape[:2], size, like.shape[3]), like.dtype)
         for layer, (keys, values), (old_keys, old_values) in zip(self.cache.layers, block, pairs):
             n = old_keys.shape[2]
             keys[:, :, :n], values[:, :, :n] = old_keys, old_values

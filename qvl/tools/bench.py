@@ -725,6 +725,7 @@ import os, sys
 from qvl import settings
 from qvl.engine import cpu, heap, modelcache
 heap.limit_arenas()  # before any thread
+heap.map_apart()  # before the model loads
 cpu.hold_collector()  # until the imports are done
 sys.setswitchinterval(cpu.LOADING_SWITCH_S)  # until the engine is ready
 flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))
