@@ -24,15 +24,15 @@ def limit_arenas(count: int = 1):
         _LIBC.mallopt(_M_ARENA_MAX, count)
 
 
-def map_apart(threshold: int = 1 << 20):
-    """Until hold_freed(): each block of threshold bytes or more in pages of its own, handed back when freed. A load
+def map_apart():
+    """Until hold_freed(): each block of a megabyte or more in pages of its own, handed back when freed. A load
     allocates the model's weights amid the blocks that converting and packing them free, and in the heap those left
     ~2 GB of holes among the 2B's weights that a server's requests then filled and kept (hold_freed): through a
     200-request soak with --batch 4 the busy server's resident size grew by 1.23 GB, by 0.64 with the weights apart
     (docs/memory-and-caches.md, "Memory over time"). Call it before the load: glibc's own threshold rises to 32 MB as
     blocks are freed, and most of a load's blocks would then land in the heap."""
     if _LIBC is not None:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, threshold)
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
 
 
 def hold_freed():
