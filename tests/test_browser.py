@@ -41,6 +41,15 @@ def browser():
         browser.close()
 
 
+@pytest.fixture(autouse=True)
+def pages_closed(browser):
+    """Each test's pages close when it ends: a page left open keeps polling its server, or reconnecting once it is
+    gone, and on two cores a module's worth of them starved the later tests' pages until they timed out."""
+    yield
+    for context in browser.contexts:
+        context.close()
+
+
 def open_page(browser, app, locale="en-US", width=1280):
     page = browser.new_page(viewport={"width": width, "height": 1000 if width > 640 else 844}, locale=locale)
     page.set_default_timeout(30_000)
