@@ -2,10 +2,12 @@
 from qvl.tools import stress
 
 
-def test_an_idle_server_uses_under_3_percent_of_a_core(launch_app, tmp_path):
-    # A resource bound, not a speed target: the server's own CPU time, which other processes on the box barely move.
-    # With Gradio's 1 ms poll it used 11-14% of a core on the development machine; with qvl.serve.idle's, about 1%.
+def test_an_idle_server_wakes_a_few_dozen_times_a_second(launch_app, tmp_path):
+    # A resource bound, not a speed target: the server's threads' wake-ups, which cause its idle CPU time and, unlike
+    # it, do not scale with the CPU's speed or move with other processes on the box. With Gradio's 1 ms poll the
+    # server woke 863 times a second (8.1% of a core on an AMX Xeon); with qvl.serve.idle's, 40-42 (1.6-2.9%), where
+    # a slower CI machine's 3.2% of a core failed the CPU-time bound this test had.
     with launch_app() as app:
         app.wait_settled()  # a first start compiles numba's kernels in the background: start-up, not idleness
-        percent = stress.idle_cpu(app.url, None, app.proc.pid, tmp_path, seconds=10)
-    assert percent < 3
+        percent, wakeups = stress.idle(app.url, None, app.proc.pid, tmp_path, seconds=5)
+    assert wakeups < 150, f"{wakeups:.0f} wake-ups a second, {percent:.1f}% of a core"

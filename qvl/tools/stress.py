@@ -13,7 +13,8 @@ small bound, so the soak passes it).
 faults: bad uploads and questions, a client that disconnects mid-answer, the cache directory deleted, replaced by a
 file and corrupted while serving (when this script launched the app), then SIGTERM. Lost requests (no answer, no
 busy message, no input error: a hang, a crash, a dropped connection) must be 0; the exit code says whether they were.
-idle (first): the server's CPU time over a minute with nobody asking, after one answered request, as % of one core.
+idle (first): the server's CPU time over a minute with nobody asking, after one answered request, as % of one core,
+and its threads' wake-ups a second.
 With --backend every scenario asks the second app, whose remote engine gets its answers from the first's OpenAI API;
 the figures (RSS, idle CPU, the cache damaged) are the second's.
 """
@@ -369,18 +370,33 @@ def disconnect(url: str, auth, after_events: int = 3):
                     break
 
 
-def idle_cpu(url: str, auth, pid: int, workdir: Path, seconds: float, settle: float = 2) -> float:
-    """Percent of one core the server uses over `seconds` with nobody asking, after one answered request: what an
-    idle server costs the box it shares with its own answers. `settle` lets the answer's threads go to sleep."""
+def wakeups(pid: int) -> int:
+    """Context switches of the process's threads so far: each time one of them slept and woke, or was preempted."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # a thread that ended between the listing and the read
+            continue
+        total += sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
+    return total
+
+
+def idle(url: str, auth, pid: int, workdir: Path, seconds: float, settle: float = 2) -> tuple[float, float]:
+    """What the server costs over `seconds` with nobody asking, after one answered request: percent of one core, and
+    its threads' wake-ups a second. The first is what an idle server takes from the box it shares with its own
+    answers; the second is what causes it, and unlike the first it does not scale with the CPU's speed.
+    `settle` lets the answer's threads go to sleep."""
     client = Client(url, auth=auth, verbose=False)
     try:
         ask(client, "Warm-up: what is this?", [picture(workdir / "idle.png")]).result(timeout=TIMEOUT_S)
     finally:
         client.close()
     time.sleep(settle)
-    used, started = cpu_seconds(pid), time.monotonic()
+    used, woken, started = cpu_seconds(pid), wakeups(pid), time.monotonic()
     time.sleep(seconds)
-    return 100 * (cpu_seconds(pid) - used) / (time.monotonic() - started)
+    elapsed = time.monotonic() - started
+    return 100 * (cpu_seconds(pid) - used) / elapsed, (wakeups(pid) - woken) / elapsed
 
 
 def cached_repeats(url: str, auth, repeats: int, image: Path) -> list[str]:
@@ -462,8 +478,8 @@ def main(argv=None) -> int:
                         help="launch a second app.py with --backend in front of the first and run everything through "
                              "the second, so that its remote engine answers")
     parser.add_argument("--idle", type=float, default=60,
-                        help="seconds over which to measure the server's CPU use while idle, after one answered "
-                             "request, before the other scenarios (needs the pid; 0 skips it)")
+                        help="seconds over which to measure the server's CPU use and wake-ups while idle, after one "
+                             "answered request, before the other scenarios (needs the pid; 0 skips it)")
     parser.add_argument("--cached-repeats", type=int, default=0,
                         help="time this many cached repeats of one request through the API, before the load "
                              "(0 skips it)")
@@ -493,8 +509,8 @@ def main(argv=None) -> int:
                   f"{args.max_sessions} sessions", flush=True)
         if server is not None:  # with --backend, the app holding the model is the one with background work
             (backend or server).wait_settled()
-        idle = idle_cpu(url, auth, pid, workdir, args.idle) if args.idle and pid else None
-        if idle is not None:
+        idled = idle(url, auth, pid, workdir, args.idle) if args.idle and pid else None
+        if idled is not None:
             print("idle done", flush=True)
         # Before the faults scenario, which breaks the cache folder on purpose.
         repeats = cached_repeats(url, auth, args.cached_repeats, ROOT / "assets" / "chart.png") \
@@ -506,8 +522,8 @@ def main(argv=None) -> int:
             tallies.append(run())
             print(f"{tallies[-1].name} done", flush=True)
         print(table(tallies))
-        if idle is not None:
-            print(f"idle: {idle:.2f}% of one core over {args.idle:.0f} s")
+        if idled is not None:
+            print(f"idle: {idled[0]:.2f}% of one core, {idled[1]:.0f} wake-ups a second, over {args.idle:.0f} s")
         for line in repeats:
             print(line)
         for t in tallies:
