@@ -90,6 +90,9 @@ def serve(engine, config):
         auth=settings.credentials(config.auth) or None, auth_message=ui.login_message(),
         max_file_size=ui.upload_ceiling(config), state_session_capacity=config.max_sessions, mcp_server=config.mcp,
         quiet=True, prevent_thread_lock=True, **ui.page_assets(),
+        # Not Gradio's look at its own page before launch() returns: one HEAD request that gives up after 3 s, which a
+        # start whose load keeps both cores busy made it do, and then the app stopped. Its own log says where it is.
+        _frontend=False,
         # The OpenAI API on the same port; routes given to the app first are matched before Gradio's own. With
         # --api-key and no --auth, the key guards every door.
         app_kwargs={"routes": openai_api.routes(answerer, config), "middleware": guard},
