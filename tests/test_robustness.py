@@ -293,7 +293,7 @@ def test_past_max_sessions_the_least_recently_active_conversation_is_forgotten(l
 
 
 def test_uploads_are_deleted_after_upload_hours_and_an_old_conversation_asks_for_them_again(launch_app, tmp_path):
-    with launch_app("--upload-hours", "0.003", GRADIO_TEMP_DIR=str(tmp_path / "uploads")) as app:  # ~11 seconds
+    with launch_app("--upload-hours", "0.0015", GRADIO_TEMP_DIR=str(tmp_path / "uploads")) as app:  # 5.4 seconds
         client = Client(app.url, verbose=False)
         picture = stress.picture(tmp_path / "fleeting.png", 20)
         assert image_tokens_seen(client, "What is this?", [picture]) == 20
