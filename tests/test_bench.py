@@ -36,9 +36,9 @@ ONEDNN_ROW = ["auto+onednn"] if modes.onednn_fits() and not cpu.arm() else []
 def test_bench_smoke_on_the_tiny_model_writes_the_json_schema(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows",
-         "fp32,auto,auto-warm,auto+nojit,auto+fbgemm" + "".join("," + row for row in ONEDNN_ROW), "--runs", "1",
-         "--json", str(out), "--scenarios", "regenerate"], capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "qvl.bench", "--model", str(tiny_dir), "--rows", "fp32,auto,auto-warm,auto+nojit,"
+         "auto+fbgemm" + "".join("," + row for row in ONEDNN_ROW), "--runs", "1", "--json", str(out), "--scenarios",
+         "regenerate"], capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
