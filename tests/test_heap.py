@@ -1,4 +1,5 @@
 import json
+import threading
 import time
 
 import pytest
@@ -159,4 +160,26 @@ def test_the_engine_hands_freed_memory_back_once_nobody_has_asked_for_a_while(ti
         time.sleep(0.05)
     time.sleep(1.5)  # a second timer, had the first answer's not been cancelled, would have fired by now
     assert len(trims) == 1 and trims[0] - ended >= 0.9, (trims, ended)
+    engine.close()
+
+
+def test_a_busy_server_trims_at_an_answers_end_once_it_has_grown_held_max_since_the_last_trim(tiny_dir, tmp_path,
+                                                                                             monkeypatch):
+    """A server that never idles for TRIM_IDLE_S still hands back what no request reuses: the answer that ends with
+    the resident size over HELD_MAX above where the last trim left it trims; the one before it, under, does not."""
+    engine = local.Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache", "--cache-dir",
+                                          str(tmp_path)], env={}))
+    assert engine.settled.wait(60)
+    base, here, real = engine._trimmed_at, threading.current_thread(), heap.resident
+    assert base > 0
+    # The resident size at the two answers' ends, then right after the trim (this thread's asks: the answers run in it).
+    sizes = iter([base + local.HELD_MAX // 2, base + local.HELD_MAX + 1, base + local.HELD_MAX // 4])
+    monkeypatch.setattr(heap, "resident", lambda: next(sizes) if threading.current_thread() is here else real())
+    trims, trim = [], heap.trim
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(threading.current_thread()) or trim())
+    params = settings.GenParams(max_new_tokens=2, greedy=True)
+    list(engine.chat([Turn("user", "Hello?")], params))
+    assert here not in trims
+    list(engine.chat([Turn("user", "And then?")], params))
+    assert trims.count(here) == 1 and engine._trimmed_at == base + local.HELD_MAX // 4
     engine.close()

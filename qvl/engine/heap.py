@@ -1,6 +1,6 @@
 """glibc's heap in a long-running server: one arena; the model's weights, and what lives through many requests, in
 pages of their own outside it; what a request frees kept for the next while requests come, and handed back once they
-stop. So a busy server grows little, and an idle one drops back."""
+stop or once it has piled up (the engine's HELD_MAX). So a busy server grows little, and an idle one drops back."""
 import ctypes
 import math
 import mmap
@@ -52,6 +52,15 @@ def trim():
     KV cache) would otherwise ratchet a long-running server's memory up."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def resident() -> int:
+    """This process's resident bytes; 0 where /proc is not (macOS, Windows)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * mmap.PAGESIZE
+    except OSError:
+        return 0
 
 
 def mapped(shape: tuple[int, ...], dtype):

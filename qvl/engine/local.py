@@ -33,6 +33,11 @@ SETTLED = "the start's background work is done"
 # How long the engine keeps what a request freed for the next one (heap.hold_freed) once nobody asks: a follow-up
 # usually comes sooner, and an idle server then gives the memory back.
 TRIM_IDLE_S = 60.0
+# A busy server never idles that long: it also trims at a request's end once its resident size has grown this much
+# since the last trim, as requests of other sizes leave holes in the heap that no later one fits. In a 200-request
+# soak of the 2B with four seats that held it flat instead of growing 0.6 GB, at ~19 ms a trim, one every ~6 requests
+# (docs/memory-and-caches.md, "Memory over time").
+HELD_MAX = 256 << 20
 
 
 def _local_copy(source: str) -> str:
@@ -130,6 +135,7 @@ class Engine:
         self._exiting = threading.Event()
         self._warming = threading.Lock()  # held by warm_up, which close() waits for
         self._trimming, self._trimmer = threading.Lock(), None  # _trim_when_idle's timer
+        self._trimmed_at = None  # the resident size after the last trim, once requests reuse what others freed
         self._ahead, self._loader, self._settler = ahead, None, None
         limit = kv.parse_limit(self.settings.kv_memory)
         self.kv = kv.Store(limit) if limit else None
@@ -239,6 +245,8 @@ class Engine:
         """Hand the heap's freed memory back to the OS (heap.trim) once no request has run for TRIM_IDLE_S: until
         then the next request's tensors reuse it (heap.hold_freed)."""
         with self._trimming:
+            if self._trimmed_at is not None and heap.resident() > self._trimmed_at + HELD_MAX:
+                self._trim()
             self._cancel_trim()
             self._trimmer = threading.Timer(TRIM_IDLE_S, self._trim_if_idle)
             self._trimmer.daemon = True
@@ -250,7 +258,12 @@ class Engine:
 
     def _trim_if_idle(self):
         if not self._busy():  # else the running request's end sets the timer again
-            heap.trim()
+            with self._trimming:
+                self._trim()
+
+    def _trim(self):
+        heap.trim()
+        self._trimmed_at = heap.resident()
 
     def _settle(self, keep):
         """In the background, at a low priority and never while a request runs, once the model is in: keep the model
@@ -291,6 +304,8 @@ class Engine:
             jit.warm(self.settings.cache_dir)
         heap.trim()  # what keeping and repacking freed
         heap.hold_freed()  # from here on, a request's tensors reuse what the last one freed
+        with self._trimming:
+            self._trimmed_at = heap.resident()
         self.settled.set()
         log.info(SETTLED)
 
