@@ -242,8 +242,9 @@ class Engine:
         return not self._exiting.is_set()
 
     def _trim_when_idle(self):
-        """Hand the heap's freed memory back to the OS (heap.trim) once no request has run for TRIM_IDLE_S: until
-        then the next request's tensors reuse it (heap.hold_freed)."""
+        """At a request's end: hand the heap's freed memory back to the OS (heap.trim) now if the resident size has
+        grown HELD_MAX since the last trim, else once no request has run for TRIM_IDLE_S: until then the next
+        request's tensors reuse it (heap.hold_freed)."""
         with self._trimming:
             if self._trimmed_at is not None and heap.resident() > self._trimmed_at + HELD_MAX:
                 self._trim()
@@ -302,10 +303,9 @@ class Engine:
         low.join()
         if self.settings.jit and self._idle():
             jit.warm(self.settings.cache_dir)
-        heap.trim()  # what keeping and repacking freed
         heap.hold_freed()  # from here on, a request's tensors reuse what the last one freed
         with self._trimming:
-            self._trimmed_at = heap.resident()
+            self._trim()  # what keeping and repacking freed
         self.settled.set()
         log.info(SETTLED)
 
