@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qvl import settings
-from qvl.engine import cpu, jit, modes, quant, tiny
+from qvl.engine import cpu, jit, modes, quant, tiny, vnni
 from qvl.engine.local import Engine
 from qvl.tools import bench, stress
 
@@ -123,18 +123,23 @@ def quant_flags():
 
 @pytest.fixture(params=["torch", "jit"])
 def kernels(request, engine, monkeypatch):
-    """Decode on torch's ops, or on qvl.engine.jit's numba kernels; gives the choice and the names of the kernels called
-    (proof that they ran). No engine's background work may warm the kernels meanwhile: it would switch them on
-    mid-test (an earlier test's engine, still warming, did so in a CI run), so the test holds warm()'s lock."""
+    """Decode on torch's ops, on qvl.engine.jit's numba kernels, or ("vnni") on those with w8a14's oneDNN decode rows
+    through qvl.engine.vnni's kernel (skipped where this CPU cannot run it); gives the choice and the names of the
+    kernels called (proof that they ran). No engine's background work may warm the kernels meanwhile: it would switch
+    them on mid-test (an earlier test's engine, still warming, did so in a CI run), so the test holds warm()'s lock."""
     engine.settled.wait()
     assert jit.warm(engine.settings.cache_dir)
+    if request.param == "vnni" and not (modes.onednn_fits() and not cpu.arm() and vnni.warm()):
+        pytest.skip("qvl's decode kernel for oneDNN's weights needs AVX-512 VNNI, which this CPU lacks")
     ready, calls = threading.Event(), []
-    if request.param == "jit":
+    if request.param != "torch":
         ready.set()
     monkeypatch.setattr(jit, "ready", ready)
-    for name in ("attend", "in_two_parts", "levels", "norm", "rope", "vision_rope"):
-        kernel = getattr(jit, name)
-        monkeypatch.setattr(jit, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
+    monkeypatch.setattr(vnni, "ready", request.param == "vnni")
+    for module, name in ((jit, "attend"), (jit, "in_two_parts"), (jit, "levels"), (jit, "norm"), (jit, "rope"),
+                         (jit, "vision_rope"), (vnni, "two_part")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
     with jit._warming:
         yield request.param, calls
 

@@ -5,23 +5,28 @@ import json
 
 import pytest
 
+from qvl.engine import cpu
+
 ENGINE = """
 import json, sys
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import jit, lean
+from qvl.engine import jit, lean, vnni
 from qvl.engine.local import Engine
 {prelude}
 calls = []
 attend = jit.attend
 jit.attend = lambda *args: calls.append(1) or attend(*args)
+two_part = vnni.two_part
+vnni.two_part = lambda *args: calls.append(2) or two_part(*args)
 engine = Engine(settings.parse(["--model", sys.argv[1], "--quant", "w8a14", "--no-cache", "--cache-dir", sys.argv[2],
                                 *sys.argv[3:]], env={{}}))
 assert engine.settled.wait(120)
 # Sampled at a fixed seed: the tiny model answers greedily with one token over and over.
 params = settings.GenParams(greedy=False, temperature=1.0, top_k=0, top_p=1.0, seed=3, max_new_tokens=6, min_new_tokens=6)
 *pieces, stats = engine.chat([Turn("user", "Hello there")], params)
-print(json.dumps({{"numba": "numba" in sys.modules, "ready": jit.ready.is_set(), "calls": len(calls),
+print(json.dumps({{"numba": "numba" in sys.modules, "ready": jit.ready.is_set(), "calls": calls.count(1),
+                  "vnni": vnni.ready, "vnni_calls": calls.count(2), "onednn": "oneDNN" in engine.precision,
                   "answer": "".join(pieces), "layers": len(engine.model.model.language_model.layers)}}))
 """
 
@@ -32,12 +37,17 @@ def _serve(python_child, tiny_dir, tmp_path, *flags, prelude=""):
     return json.loads(child.stdout.splitlines()[-1]), child.stderr
 
 
+# numba compiling for a CPU without AVX-512 VNNI, as on AVX2 machines (LLVM would abort on the kernel's intrinsic)
+NO_VNNI = "import os; os.environ['NUMBA_CPU_NAME'] = 'haswell'; os.environ['NUMBA_CPU_FEATURES'] = '+avx2,+fma'"
+
+
 @pytest.fixture(scope="module")
 def served(python_child, tiny_dir, tmp_path_factory):
     """The same answer from engines in fresh processes: by default, with --no-jit, and where numba is missing."""
     out = {}
     for name, flags, prelude in (("default", (), ""), ("no-jit", ("--no-jit",), ""),
-                                 ("no-numba", (), "sys.modules['numba'] = None  # as where no wheel installs")):
+                                 ("no-numba", (), "sys.modules['numba'] = None  # as where no wheel installs"),
+                                 ("no-vnni", (), NO_VNNI)):
         out[name] = _serve(python_child, tiny_dir, tmp_path_factory.mktemp(name), *flags, prelude=prelude)
     return out
 
@@ -46,11 +56,15 @@ def test_an_engine_compiles_the_kernels_in_the_background_and_decodes_with_them(
     result, _ = served["default"]
     assert result["numba"] and result["ready"]
     assert result["calls"] == 5 * result["layers"]  # every decode step after the first token, every layer
+    # Where the int8 linears are oneDNN's (auto on AMX), every decode step's linears read them with qvl's kernel.
+    linears = 4 * result["layers"] + 1  # qkv, o, gate and up, down; the head
+    assert result["vnni_calls"] == (5 * linears + 1 if result["vnni"] else 0)  # and the head of the prompt's last row
+    assert result["vnni"] == (result["onednn"] and "AMX" in cpu.flags())
 
 
 def test_no_jit_leaves_numba_unimported_and_decodes_with_torchs_ops_to_the_same_answer(served):
     result, _ = served["no-jit"]
-    assert not result["numba"] and not result["ready"] and result["calls"] == 0
+    assert not result["numba"] and not result["ready"] and result["calls"] == 0 and not result["vnni"]
     assert result["answer"] == served["default"][0]["answer"] and len(set(result["answer"])) > 2
 
 
@@ -58,3 +72,10 @@ def test_without_numba_the_engine_says_so_once_and_serves_with_torchs_ops(served
     result, log = served["no-numba"]
     assert not result["ready"] and result["calls"] == 0 and result["answer"] == served["default"][0]["answer"]
     assert log.count("the numba decode kernels are unavailable (ModuleNotFoundError") == 1
+
+
+def test_where_numba_cannot_compile_vnnis_kernel_the_engine_decodes_on_onednns_call_to_the_same_answer(served):
+    result, log = served["no-vnni"]
+    assert result["ready"] and not result["vnni"] and result["vnni_calls"] == 0
+    assert result["answer"] == served["default"][0]["answer"]
+    assert log.count("numba's target has no AVX-512 VNNI") == result["onednn"]  # tried only for oneDNN's weights

@@ -10,7 +10,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import checkpoint, cpu, generate, jit, lean, modelcache, modes, quant
+from qvl.engine import checkpoint, cpu, generate, jit, lean, modelcache, modes, quant, vnni
 from qvl.engine.local import Engine
 from qvl.settings import GenParams
 from qvl.tools import bench
@@ -285,7 +285,7 @@ def test_onednn_is_refused_at_start_where_its_8_bit_activations_would_overflow(m
     assert settings.parse([], env={}).kernel == ("onednn" if "AMX" in flags else "fbgemm")
 
 
-@pytest.mark.parametrize("kernels", ["torch", "jit"], indirect=True)
+@pytest.mark.parametrize("kernels", ["torch", "jit", "vnni"], indirect=True)
 def test_onednn_decodes_w8a14_rows_exactly_as_fbgemm_and_prefills_no_farther_from_the_float_layer(onednn, kernels,
                                                                                                    monkeypatch):
     """A decode row's two parts are whole numbers, which both kernels multiply exactly: the same output bit for bit.
@@ -306,9 +306,39 @@ def test_onednn_decodes_w8a14_rows_exactly_as_fbgemm_and_prefills_no_farther_fro
     monkeypatch.setattr(quant, "_whole_numbers", lambda q, *args: took.append(q.dtype) or whole_numbers(q, *args))
     for rows in (1, quant.DECODE_ROWS):
         assert torch.equal(ours(x[:, :rows]), theirs(x[:, :rows]))
-    assert kernels[1] == (["levels"] + ["in_two_parts"] * 4 if kernels[0] == "jit" else [])  # oneDNN's prompt too
+    # oneDNN's prompt too; vnni's kernel reads oneDNN's weights itself for one row, fbgemm's go through jit's split.
+    assert kernels[1] == {"torch": [], "jit": ["levels"] + ["in_two_parts"] * 4,
+                          "vnni": ["levels", "two_part"] + ["in_two_parts"] * 3}[kernels[0]]
     # The numba split writes oneDNN's uint8 input itself; torch's split gives float parts to quantize (and fbgemm's).
-    assert took == ([torch.uint8, torch.float32] * 2 if kernels[0] == "jit" else [torch.float32] * 4)
+    assert took == {"torch": [torch.float32] * 4, "jit": [torch.uint8, torch.float32] * 2,
+                    "vnni": [torch.float32, torch.uint8, torch.float32]}[kernels[0]]
+
+
+@pytest.mark.parametrize("kernels", ["vnni"], indirect=True)
+@pytest.mark.parametrize("parts", [1, 2])
+def test_vnnis_kernel_reads_onednns_packed_weights_to_its_decode_rows_bit_for_bit(onednn, kernels, parts):
+    """qvl's decode kernel reads oneDNN's packed weights where they lie: whole and in pieces whose channels do not
+    fill its last block of 64, weights in two parts, loud channels apart, each the same output as oneDNN's own call.
+    It takes a single decode row (a batch's rows keep oneDNN's call, as fast for 2 and faster from 4) and weights
+    it can read: an input width no multiple of 64 keeps oneDNN's call."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(512, 150, bias=True)
+    linear = quant._dynamic_int8(layer, parts=parts)
+    pieces = quant.Int8Linear(torch.cat(list(linear.pieces())), linear.scale, layer.bias.detach(), rows=100,
+                              parts=parts)
+    pieces.set_apart(torch.tensor([3, 77]), torch.randn(2, 150))
+    odd = quant._dynamic_int8(torch.nn.Linear(520, 96))
+    x = torch.randn(1, quant.DECODE_ROWS, 520) * torch.logspace(-2, 1, quant.DECODE_ROWS)[:, None]
+    for ours in (linear, pieces, odd):
+        ours.two_part = True
+        for rows in (1, 2, quant.DECODE_ROWS):
+            kernels[1].clear()
+            got = ours(x[:, :rows, :ours.in_features])
+            assert kernels[1] == ["in_two_parts" if ours is odd or rows > 1 else "two_part"]
+            vnni.ready = False  # oneDNN's own call (the fixture puts it back)
+            assert torch.equal(got, ours(x[:, :rows, :ours.in_features])) and kernels[1][-1] == "in_two_parts"
+            vnni.ready = True
+    assert len(pieces.parts) == (2 if parts == 1 else 3) and not vnni.fits(odd.parts[0])
 
 
 @pytest.mark.parametrize("parts", [1, 2])

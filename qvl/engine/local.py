@@ -21,7 +21,7 @@ from transformers.video_utils import VideoMetadata
 
 from qvl import conversation, images, texts, video
 from qvl.conversation import THINK, THOUGHT, Stats, Turn
-from qvl.engine import batch, cpu, features, generate, heap, jit, kv, lean, modelcache, modes, quant, tiny
+from qvl.engine import batch, cpu, features, generate, heap, jit, kv, lean, modelcache, modes, quant, tiny, vnni
 from qvl.images import InputError
 from qvl.settings import GenParams, Settings
 from qvl.sizes import parse_size
@@ -301,8 +301,9 @@ class Engine:
         low = threading.Thread(target=repack, name="settle", daemon=True)
         low.start()
         low.join()
-        if self.settings.jit and self._idle():
-            jit.warm(self.settings.cache_dir)
+        if self.settings.jit and self._idle() and jit.warm(self.settings.cache_dir):
+            if torch.backends.quantized.engine == "onednn":
+                vnni.warm()
         heap.hold_freed()  # from here on, a request's tensors reuse what the last one freed
         with self._trimming:
             self._trim()  # what keeping and repacking freed

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qvl.engine import jit
+from qvl.engine import jit, vnni
 from qvl.engine.modes import GROUP
 
 DECODE_ROWS = 8  # up to this many rows the int4 kernel is bandwidth-bound and wins; above, int8 compute wins
@@ -262,6 +262,7 @@ class Int8Linear(_Apart):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.two_part = False  # w8a14 (checkpoint.in_two_parts): each input row fed as two, for 14 bits instead of 7
         self.onednn = torch.backends.quantized.engine == "onednn"  # what _pack packed it for
+        self._table = None, None  # the parts vnni's table was made for, and it
 
     def to_tensors(self, data=True):
         """Its weight as a per-channel torch.qint8 weight is stored (int8 values, unpacked a piece at a time, float64
@@ -367,15 +368,28 @@ class Int8Linear(_Apart):
         For decode rows only: there the kernel is bound by reading the weights, once for all rows, while a prompt's
         rows are bound by computing them, and twice as many would cost a prompt more time than its precision is worth
         (docs/quantization.md, "How `w8a14` works"). The split and the join are jit's kernels once they are compiled,
-        where torch's ops take ~14 small calls."""
+        where torch's ops take ~14 small calls. A single row's parts on oneDNN's weights go through vnni's kernel, which
+        reads them faster than oneDNN's call; from 2 rows on it was as fast, from 4 slower (docs/quantization.md, "The
+        decode kernel")."""
         rows = x.reshape(-1, self.in_features).contiguous()
-        if jit.ready.is_set():
+        if jit.ready.is_set() and vnni.ready and len(rows) == 1 and (table := self._vnni_table()) is not None:
+            y = vnni.two_part(rows, table, self.scale)
+        elif jit.ready.is_set():
             y = jit.in_two_parts(rows, lambda parts: self._int8(parts, _whole_numbers), self.scale, self.onednn)
         else:
             parts, levels = self._split(rows)
             y = self._int8(parts, _whole_numbers)
             y = y[:len(rows)].add_(y[len(rows):], alpha=1 / 126).mul_(levels).mul_(self.scale)
         return y.view(*x.shape[:-1], -1)
+
+    def _vnni_table(self) -> "vnni.Table | None":
+        """vnni's table of the packed parts as they are now (settle() replaces them), or None where oneDNN did not
+        pack them as vnni reads them."""
+        parts, (packed, table) = self.parts, self._table
+        if packed is not parts:
+            table = vnni.Table(parts) if self.onednn and all(map(vnni.fits, parts)) else None
+            self._table = parts, table
+        return table
 
     @staticmethod
     def _split(rows):
