@@ -1,5 +1,6 @@
 import logging
 import threading
+import weakref
 from unittest import mock
 
 import numpy as np
@@ -339,6 +340,12 @@ def test_vnnis_kernel_reads_onednns_packed_weights_to_its_decode_rows_bit_for_bi
             assert torch.equal(got, ours(x[:, :rows, :ours.in_features])) and kernels[1][-1] == "in_two_parts"
             vnni.ready = True
     assert len(pieces.parts) == (2 if parts == 1 else 3) and not vnni.fits(odd.parts[0])
+    replaced, want = weakref.ref(pieces.parts[0]), pieces(x[:, :1, :512])
+    while pieces.settle():
+        pass
+    assert replaced() is None  # the kernel's table of the pieces lets them go once settled
+    kernels[1].clear()
+    assert torch.equal(pieces(x[:, :1, :512]), want) and kernels[1] == ["two_part"]
 
 
 @pytest.mark.parametrize("parts", [1, 2])

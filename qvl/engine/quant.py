@@ -310,6 +310,7 @@ class Int8Linear(_Apart):
                 merged = _pack(torch.cat([_values(part) for part in group]))
                 # One assignment: a call in flight keeps the list it read, which computes the same numbers.
                 self.parts = [*self.parts[:start], merged, *self.parts[start + run:]]
+                self._table = None, None  # vnni's table would keep the replaced pieces' memory
                 return True
         return False
 
