@@ -188,7 +188,7 @@ def test_each_int8_way_computes_the_same_linear_in_its_kernels_layout(kernel):
         pytest.skip("oneDNN's int8 kernel needs AVX-512 VNNI or AMX")
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 64, bias=False)
-    int8 = bench._int8_linear(linear, kernel)
+    int8 = bench._int8_linear(*quant._int8_rows(linear.weight.detach()), kernel)
     assert int8.onednn == (kernel == "onednn") and len(int8.parts) == 1
     for rows in (1, 300):
         x = torch.randn(rows, 128)

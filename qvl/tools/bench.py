@@ -27,6 +27,7 @@ Scenarios measure conversation memory: each request's time to first token after 
 and its answer), then the same request cold, with everything kept forgotten, in the same process.
 """
 import argparse
+import copy
 import json
 import os
 import resource
@@ -427,11 +428,12 @@ def kernels(out_features: int = 6144, in_features: int = 2048, ring_bytes: int =
     w = linear.weight.float()
     scale = w.abs().amax(1) / 127
     q = (w / scale[:, None]).round().to(torch.int8)
+    int4 = quant.Int4Linear.quantize(linear, prefill=False)
+    # Copies from what is quantized once: quantizing each copy again took most of the run.
     candidates = {  # name -> (make one copy of the weights, call it on x, weight bytes)
-        "fbgemm int8": (lambda: _int8_linear(linear, "fbgemm"), lambda m, x: m(x), 1),
-        "oneDNN int8": (lambda: _int8_linear(linear, "onednn"), lambda m, x: m(x), 1),
-        "int4 g128, bf16 activations": (lambda: quant.Int4Linear.quantize(linear, prefill=False),
-                                        lambda m, x: m(x), 0.5),
+        "fbgemm int8": (lambda: _int8_linear(q, scale, "fbgemm"), lambda m, x: m(x), 1),
+        "oneDNN int8": (lambda: _int8_linear(q, scale, "onednn"), lambda m, x: m(x), 1),
+        "int4 g128, bf16 activations": (lambda: copy.deepcopy(int4), lambda m, x: m(x), 0.5),
         "int8 weight-only, bf16 activations": (lambda: (q.clone(), scale.bfloat16()),
                                                lambda m, x: torch._weight_int8pack_mm(x.bfloat16(), *m), 1),
         "int8 weight-only, fp32 activations": (lambda: (q.clone(), scale.clone()),
@@ -440,9 +442,9 @@ def kernels(out_features: int = 6144, in_features: int = 2048, ring_bytes: int =
         "fp32": (lambda: w.clone(), lambda m, x: x @ m.t(), 4),
     }
     if modes.onednn_fits() and not cpu.arm() and jit.warm(settings.Settings().cache_dir) and vnni.warm():
-        candidates["oneDNN int8, w8a14's row"] = (lambda: _int8_linear(linear, "onednn", two_part=True),
+        candidates["oneDNN int8, w8a14's row"] = (lambda: _int8_linear(q, scale, "onednn", two_part=True),
                                                   lambda m, x: _without_vnni(m, x), 1)
-        candidates["vnni on oneDNN's int8, w8a14's row"] = (lambda: _int8_linear(linear, "onednn", two_part=True),
+        candidates["vnni on oneDNN's int8, w8a14's row"] = (lambda: _int8_linear(q, scale, "onednn", two_part=True),
                                                              lambda m, x: m(x), 1)
 
     def median_seconds(call, ring: list, x: torch.Tensor) -> float:
@@ -468,12 +470,13 @@ def kernels(out_features: int = 6144, in_features: int = 2048, ring_bytes: int =
     return rows
 
 
-def _int8_linear(linear: torch.nn.Linear, kernel: str, two_part: bool = False) -> quant.Int8Linear:
-    """The linear as Int8Linear packed for kernel, settled into the pieces it serves in; two_part: w8a14's decode."""
+def _int8_linear(values: torch.Tensor, scale: torch.Tensor, kernel: str, two_part: bool = False) -> quant.Int8Linear:
+    """int8 values with a scale per row as an Int8Linear packed for kernel, settled into the pieces it serves in;
+    two_part: w8a14's decode."""
     engine = torch.backends.quantized.engine
     quant.use_kernel(kernel)
     try:
-        int8 = quant._dynamic_int8(linear)
+        int8 = quant.Int8Linear(values, scale, None)
         while int8.settle():
             pass
         int8.two_part = two_part
