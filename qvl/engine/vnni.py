@@ -23,6 +23,7 @@ log = logging.getLogger("qvl")
 BLOCK = 64  # output channels of one of oneDNN's blocks
 _block = None  # the intrinsic, once warm() has made it: a block's sums for a row's two parts
 _kernel = None
+prange = range  # numba.prange once warm() has imported numba
 ready = False
 
 
@@ -53,10 +54,11 @@ class Table:
                 starts.append(start + b)
                 counts.append(min(BLOCK, out_features - b))
             compensation = (ctypes.c_int32 * padded).from_address(address + padded * in_features)
-            sums.append(-np.ctypeslib.as_array(compensation)[:out_features].astype(np.int64) * 64)
+            # 64 x 127 x in_features at most: int32 holds it up to 2^18 inputs
+            sums.append(np.ctypeslib.as_array(compensation)[:out_features] * -64)
             start += out_features
         self.addresses, self.starts, self.counts = (np.array(a, np.int64) for a in (addresses, starts, counts))
-        self.offsets = np.concatenate(sums).astype(np.int32)
+        self.offsets = np.concatenate(sums)
 
 
 def two_part(row: torch.Tensor, table: Table, scale: torch.Tensor) -> torch.Tensor:
@@ -83,8 +85,6 @@ def _two_part_kernel(high, low, level, addresses, starts, counts, offsets, scale
             out[n] = (np.float32(sums[j] - offsets[n]) + np.float32(sums[BLOCK + j] - offsets[n]) * np.float32(1 / 126)
                       ) * level * scale[n]
 
-
-prange = range  # numba.prange once warm() has imported numba
 
 
 def _make_block(numba):
