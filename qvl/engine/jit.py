@@ -8,11 +8,13 @@ numba is imported by warm(), at the end of the engine's background work once it 
 compile take seconds (later starts load numba's cache), which a start should not wait for. Until then the decode
 step runs on torch's ops, which compute the same numbers within float rounding (tests hold the two together).
 """
+import hashlib
 import logging
 import math
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -232,7 +234,7 @@ def warm(cache_dir: str) -> bool:
             start = time.perf_counter()
             try:
                 import numba
-                numba.config.CACHE_DIR = numba.config.CACHE_DIR or os.path.join(cache_dir, "numba")
+                numba.config.CACHE_DIR = numba.config.CACHE_DIR or os.path.join(cache_dir, "numba", _sources())
                 prange, _set_threads = numba.prange, numba.set_num_threads
                 _max_threads = numba.config.NUMBA_NUM_THREADS
                 _register(numba)
@@ -271,6 +273,15 @@ def warm(cache_dir: str) -> bool:
                      numba.config.CACHE_DIR)
         ready.set()
         return True
+
+
+def _sources() -> str:
+    """A digest of the kernels' sources: numba checks a cached kernel against its own file only, and vnni's kernels
+    call these, so a kernel changed here must not be loaded from its cache inside one of vnni's."""
+    digest = hashlib.sha256()
+    for name in ("jit.py", "vnni.py"):
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _engine_threads():
