@@ -10,7 +10,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import checkpoint, generate, heap, jit, kv, lean
+from qvl.engine import checkpoint, generate, heap, jit, kv, lean, modes
 from test_engine import picture
 
 STEPS = 40
@@ -237,3 +237,40 @@ def test_fused_quantized_linears_are_exactly_the_separate_ones(kind):
     for rows in (1, 16, 40):  # decode rows (int4's and w8a16's own kernels), prefill rows (int4's int8 twin, bf16 GEMM)
         x = torch.randn(rows, 256)
         assert torch.equal(together(x), torch.cat([linear(x) for linear in separate], -1))
+
+
+@pytest.mark.parametrize("kernels", ["vnni"], indirect=True)
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
+def test_a_layer_in_one_vnni_call_decodes_as_its_ops_one_by_one_and_no_farther_from_fp32(
+        onednn, kernels, tiny_dir, cache, monkeypatch):
+    """Where qvl's kernels read every linear of a layer (w8a14 on oneDNN's weights), one call computes a decode
+    step's layer (vnni.layer): the logits of its ops one at a time within float rounding (silu's exp, the loud
+    channels' sums), over a float32 and a bf16 cache, in a layer with weights in two parts and one without, a linear
+    with loud channels apart; and no farther from fp32's logits."""
+    monkeypatch.setattr(modes, "TWO_PART_LAYERS", 1)  # the tiny model's first layer in two parts, its second not
+    model, reference = checkpoint.load_model(str(tiny_dir), "w8a14"), checkpoint.load_model(str(tiny_dir), "fp32")
+    layers = model.model.language_model.layers
+    assert [layer.mlp.down_proj.weight_parts for layer in layers] == [2, 1]
+    down = layers[1].mlp.down_proj
+    down.set_apart(torch.tensor([5, 40]), torch.randn(2, down.out_features) * 0.1)
+    lean.set_dtypes(model, cache=cache)
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 256, (STEPS,), generator=torch.Generator().manual_seed(1)).tolist()
+    one_by_one = lean._vnni_tables
+
+    def decoded(m, fused: bool = True) -> torch.Tensor:
+        monkeypatch.setattr(lean, "_vnni_tables", one_by_one if fused else lambda layer: None)
+        with torch.inference_mode():
+            decoder = lean.Decoder(m, generate._forward(m, input_ids=ids).cache, STEPS, 0)
+            return torch.stack([decoder.step(token) for token in tokens])
+
+    kernels[1].clear()
+    fused = decoded(model)
+    # Every step's layers each in one call, their attention inside it; the head on its own.
+    assert kernels[1].count("layer") == STEPS * len(layers) and "attend" not in kernels[1]
+    kernels[1].clear()
+    separate = decoded(model, fused=False)
+    assert "layer" not in kernels[1] and kernels[1].count("attend") == STEPS * len(layers)
+    assert (fused - separate).abs().max() <= TOLERANCE * separate.abs().max()
+    exact = decoded(reference)
+    assert (fused - exact).norm() <= 1.01 * (separate - exact).norm()

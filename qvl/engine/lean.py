@@ -23,7 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_vl.modeling_qwen3_vl import (apply_rotary_pos_emb, apply_rotary_pos_emb_vision,
                                                             eager_attention_forward)
 
-from qvl.engine import cpu, heap, jit, quant
+from qvl.engine import cpu, heap, jit, quant, vnni
 
 # A fused linear's name -> the checkpoint linears whose rows it holds, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -300,6 +300,16 @@ class Decoder:
             self.keys = self.values = None  # the buffers' block is unmapped with its last view
 
 
+def _vnni_tables(layer: nn.Module) -> tuple | None:
+    """The tables of a decoder layer's four linears where vnni's kernels read them all (w8a14 on oneDNN's weights,
+    no bias): then one call computes the layer (vnni.layer)."""
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    if not all(isinstance(m, quant.Int8Linear) and m.bias is None for m in linears):
+        return None
+    tables = tuple(m.vnni_table() for m in linears)
+    return None if None in tables else tables
+
+
 @torch.inference_mode()
 def step(decoders: list[Decoder], tokens: list[int]) -> torch.Tensor:
     """Each decoder's next position's logits (B x vocabulary) after feeding it its token: the linears take the B rows
@@ -313,8 +323,15 @@ def step(decoders: list[Decoder], tokens: list[int]) -> torch.Tensor:
     half = sin.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # Attention.step rotates with a roll
     n = [d.n for d in decoders]
+    alone = len(decoders) == 1 and x.dtype == torch.float32
     for i, (layer, qk_weight) in enumerate(zip(text.layers, first.qk_weights)):
         keys, values = [d.keys[i] for d in decoders], [d.values[i] for d in decoders]
+        if alone and (tables := _vnni_tables(layer)) is not None:
+            attention, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
+            vnni.layer(x, tuple(norm.weight for norm in norms),
+                       (norms[0].variance_epsilon, attention.q_norm.variance_epsilon), tuple(attention.heads[:2]),
+                       attention.scaling, qk_weight, cos[0], sin[0], keys[0][0], values[0][0], n[0], tables)
+            continue
         x = x + layer.self_attn.step(_norm(layer.input_layernorm, x), cos, sin, keys, values, n, qk_weight)
         x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
     for d in decoders:

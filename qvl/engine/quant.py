@@ -315,6 +315,9 @@ class Int8Linear(_Apart):
         return False
 
     def forward(self, x):
+        if x.numel() == self.in_features and (table := self.vnni_table()) is not None:
+            y = vnni.linear(x, table)  # one decode row: its loud channels and weight parts too, in one call
+            return y if self.bias is None else y + self.bias
         if self.apart is not None:
             loud, x = x.index_select(-1, self.apart), x.index_fill(-1, self.apart, 0)
         if self.two_part and x.numel() <= DECODE_ROWS * self.in_features:
@@ -369,13 +372,9 @@ class Int8Linear(_Apart):
         For decode rows only: there the kernel is bound by reading the weights, once for all rows, while a prompt's
         rows are bound by computing them, and twice as many would cost a prompt more time than its precision is worth
         (docs/quantization.md, "How `w8a14` works"). The split and the join are jit's kernels once they are compiled,
-        where torch's ops take ~14 small calls. A single row's parts on oneDNN's weights go through vnni's kernel, which
-        reads them faster than oneDNN's call; from 2 rows on it was as fast, from 4 slower (docs/quantization.md, "The
-        decode kernel")."""
+        where torch's ops take ~14 small calls (a single row on oneDNN's weights goes to vnni's kernel: forward)."""
         rows = x.reshape(-1, self.in_features).contiguous()
-        if jit.ready.is_set() and vnni.ready and len(rows) == 1 and (table := self._vnni_table()) is not None:
-            y = vnni.two_part(rows, table, self.scale)
-        elif jit.ready.is_set():
+        if jit.ready.is_set():
             y = jit.in_two_parts(rows, lambda parts: self._int8(parts, _whole_numbers), self.scale, self.onednn)
         else:
             parts, levels = self._split(rows)
@@ -383,14 +382,23 @@ class Int8Linear(_Apart):
             y = y[:len(rows)].add_(y[len(rows):], alpha=1 / 126).mul_(levels).mul_(self.scale)
         return y.view(*x.shape[:-1], -1)
 
-    def _vnni_table(self) -> "vnni.Table | None":
-        """vnni's table of the packed parts as they are now (settle() replaces them), or None where oneDNN did not
-        pack them as vnni reads them."""
+    def vnni_table(self) -> "vnni.Table | None":
+        """What vnni's kernels read of this linear for a decode row once they are warm, as its packed parts are now
+        (settle() replaces them), or None: not w8a14's two parts, or packed otherwise than vnni reads. They read it
+        faster than oneDNN's call for a single row; from 2 rows on oneDNN's was as fast, from 4 faster
+        (docs/quantization.md, "The decode kernel")."""
+        if not (self.two_part and jit.ready.is_set() and vnni.ready):
+            return None
         parts, (packed, table) = self.parts, self._table
         if packed is not parts:
-            table = vnni.Table(parts) if self.onednn and all(map(vnni.fits, parts)) else None
+            table = (vnni.Table(parts, self.scale, self.weight_parts, self.apart, self.columns)
+                     if self.onednn and all(map(vnni.fits, parts)) else None)
             self._table = parts, table
         return table
+
+    def set_apart(self, channels: torch.Tensor, columns: torch.Tensor):
+        super().set_apart(channels, columns)
+        self._table = None, None  # vnni's table holds the channels it was made with
 
     @staticmethod
     def _split(rows):

@@ -6,6 +6,10 @@ this kernel against 107 in oneDNN's call (and 108 in fbgemm's), in the same byte
 the 2B decoded 9.3 tok/s against 7.7 (docs/quantization.md, "The decode kernel"). Prompts and a batch's rows stay
 oneDNN's: its AMX tiles compute prompts, and from 2 rows on its call was as fast.
 
+Where every linear of a text layer is read so, a decode step's layer is one call (layer()): its norms, rotation and
+attention are jit's kernels called from this one, so the step makes 28 calls instead of ~113 linears and ~170 small
+ops, each of which cost more in dispatch than in work (docs/quantization.md, "The decode kernel").
+
 The layout is oneDNN's choice, not a promise: qvl reads it as measured (blocks of 64 output channels, each taking
 the input 4 values at a time, then a 32-bit compensation per channel holding minus its weights' sum), checks each
 packed weight's size against it, and warm() checks the kernel's sums against exact ones on a packed weight before
@@ -22,7 +26,7 @@ from qvl.engine import jit
 log = logging.getLogger("qvl")
 BLOCK = 64  # output channels of one of oneDNN's blocks
 _block = None  # the intrinsic, once warm() has made it: a block's sums for a row's two parts
-_kernel = None
+_sums = _linear = _layer = None  # the compiled kernels
 prange = range  # numba.prange once warm() has imported numba
 ready = False
 
@@ -37,11 +41,13 @@ def fits(part) -> bool:
 
 
 class Table:
-    """What the kernel reads of a linear's packed parts: each block's address, first output column and channels, and
-    each channel's 64 times its weights' sum (the uint8 input's zero point times the compensation). Holds the parts:
-    their memory lives as long as the table."""
+    """What the kernels read of an Int8Linear for one decode row: each block's address, first output column and
+    channels, each channel's 64 times its weights' sum (the uint8 input's zero point times the compensation), the rows'
+    scales, its weight parts (2: each row's levels, then what they rounded off), and its loud channels with their
+    weights (none: empty). Holds the parts: their memory lives as long as the table."""
 
-    def __init__(self, parts: list):
+    def __init__(self, parts: list, scale: torch.Tensor, weight_parts: int, apart: torch.Tensor | None,
+                 columns: torch.Tensor | None):
         self.parts = parts
         addresses, starts, counts, sums = [], [], [], []
         start = 0
@@ -57,24 +63,37 @@ class Table:
             # 64 x 127 x in_features at most: int32 holds it up to 2^18 inputs
             sums.append(np.ctypeslib.as_array(compensation)[:out_features] * -64)
             start += out_features
-        self.addresses, self.starts, self.counts = (np.array(a, np.int64) for a in (addresses, starts, counts))
-        self.offsets = np.concatenate(sums)
+        if apart is None:
+            apart, columns = torch.empty(0, dtype=torch.long), torch.empty(0, start // weight_parts)
+        self.args = (*(np.array(a, np.int64) for a in (addresses, starts, counts)), np.concatenate(sums),
+                     scale.numpy(), weight_parts, apart.numpy(), columns.numpy())
 
 
-def two_part(row: torch.Tensor, table: Table, scale: torch.Tensor) -> torch.Tensor:
-    """jit.in_two_parts of one row (1 x in, float32, contiguous) on oneDNN's packed weights: its two uint8 parts, each
-    part's sums with every weight row, joined back times scale (the weight rows' scales)."""
-    parts = np.empty((2, row.shape[1]), np.uint8)
-    level = jit._split(row.numpy(), parts, np.float32(64))[0, 0]
-    out = torch.empty(1, len(table.offsets))
+def linear(x: torch.Tensor, table: Table) -> torch.Tensor:
+    """An Int8Linear's output, without its bias, for one decode row x (float32, in_features values in all) in two
+    parts (jit.in_two_parts), read from oneDNN's packed weights by the kernel: its loud channels apart, its weight
+    parts summed, as Int8Linear.forward computes them around oneDNN's call."""
     with jit._launch:
         jit._engine_threads()
-        _kernel(parts[0], parts[1], level, table.addresses, table.starts, table.counts, table.offsets, scale.numpy(),
-                out[0].numpy())
-    return out
+        y = _linear(x.reshape(-1).contiguous().numpy(), table.args)
+    return torch.from_numpy(y).view(*x.shape[:-1], -1)
 
 
-def _two_part_kernel(high, low, level, addresses, starts, counts, offsets, scale, out):
+def layer(x: torch.Tensor, norms: tuple, eps: tuple, heads: tuple, scaling: float, qk_weight: torch.Tensor,
+          cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, tables: tuple):
+    """One decode row x (float32, hidden values; updated in place) through a text decoder layer in one call, as
+    lean.step computes it: norms (the layer's two RMSNorm weights) and eps (theirs, then q/k's), the attention's q and
+    kv heads and scaling, qk_weight/cos/sin/keys/values/n as jit.rope takes them, and the tables of its q/k/v, o,
+    gate/up and down linears."""
+    dim = keys.shape[-1]
+    with jit._launch:
+        jit._engine_threads()
+        _layer(x.view(-1).numpy(), tuple(w.detach().numpy() for w in norms), eps, heads, scaling,
+               qk_weight.view(-1, dim).numpy(), cos.reshape(-1).numpy(), sin.reshape(-1).numpy(), jit._array(keys),
+               jit._array(values), n, tuple(t.args for t in tables))
+
+
+def _sums_kernel(high, low, level, addresses, starts, counts, offsets, scale, out):
     """For each block of 64 output channels (over every core): the sums of the row's two parts with the block's
     weights, less the zero point's share, joined as jit._join_kernel joins them."""
     for b in prange(len(addresses)):
@@ -85,6 +104,53 @@ def _two_part_kernel(high, low, level, addresses, starts, counts, offsets, scale
             out[n] = (np.float32(sums[j] - offsets[n]) + np.float32(sums[BLOCK + j] - offsets[n]) * np.float32(1 / 126)
                       ) * level * scale[n]
 
+
+def _linear_kernel(row, table):
+    """linear()'s output for row (in_features, float32): the loud channels out of the split and added back (as
+    addmm adds them: their products summed, then added), jit's split into two uint8 parts, the sums, the weight
+    parts added."""
+    addresses, starts, counts, offsets, scale, weight_parts, apart, columns = table
+    loud = np.empty(len(apart), np.float32)
+    if len(apart):
+        row = row.copy()
+        for c in range(len(apart)):
+            loud[c] = row[apart[c]]
+            row[apart[c]] = 0
+    parts = np.empty((2, len(row)), np.uint8)
+    level = jit._split(row.reshape(1, -1), parts, np.float32(64))[0, 0]
+    y = np.empty(len(offsets), np.float32)
+    _sums(parts[0], parts[1], level, addresses, starts, counts, offsets, scale, y)
+    if weight_parts == 2:
+        y = y[:len(y) // 2] + y[len(y) // 2:]
+    for j in range(len(y) if len(apart) else 0):
+        added = np.float32(0)
+        for c in range(len(apart)):
+            added += loud[c] * columns[c, j]
+        y[j] += added
+    return y
+
+
+def _layer_kernel(x, norms, eps, heads, scaling, qk_weight, cos, sin, keys, values, n, tables):
+    """layer(): x += attention(norm(x)); x += mlp(norm(x)), with jit's kernels for the norms, q/k's norm and rotation,
+    and attention, and silu as torch computes it (x / (1 + exp(-x)), float32; torch's vectorized exp may differ in
+    the last bit)."""
+    q_heads, kv_heads = heads
+    dim = keys.shape[-1]
+    h = np.empty((1, len(x)), np.float32)
+    jit._norm(x.reshape(1, -1), norms[0], eps[0], h)
+    q = np.empty((q_heads, dim), np.float32)
+    qkv = _linear(h[0], tables[0])
+    jit._rope(qkv.reshape(-1, dim), qk_weight, cos, sin, eps[1], q_heads, kv_heads, keys, values, n, q)
+    attended = np.empty((kv_heads, q_heads // kv_heads, dim), np.float32)
+    jit._attend(q.reshape(kv_heads, -1, dim), keys, values, n + 1, scaling, attended)
+    x += _linear(attended.reshape(-1), tables[1])
+    jit._norm(x.reshape(1, -1), norms[1], eps[0], h)
+    gate_up = _linear(h[0], tables[2])
+    inner = len(gate_up) // 2
+    act = np.empty(inner, np.float32)
+    for i in range(inner):
+        act[i] = gate_up[i] / (np.float32(1) + np.exp(-gate_up[i])) * gate_up[inner + i]
+    x += _linear(act, tables[3])
 
 
 def _make_block(numba):
@@ -134,9 +200,10 @@ def _make_block(numba):
 
 
 def warm() -> bool:
-    """Compile the kernel (or load it from numba's cache) and check it on a packed weight whose channels do not fill
-    its last block; ready where the CPU has AVX-512 VNNI and the layout is as read. False, with one log line, where not."""
-    global _block, _kernel, prange, ready
+    """Compile the kernels (or load them from numba's cache; jit's must be warm: they call its own) and check the sums
+    on a packed weight whose channels do not fill its last block; ready where the CPU has AVX-512 VNNI and the layout
+    is as read. False, with one log line, where not."""
+    global _block, _sums, _linear, _layer, prange, ready
     if ready:
         return True
     try:
@@ -146,8 +213,11 @@ def warm() -> bool:
         features = numba.config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
         if "+avx512vnni" not in features.split(","):
             raise ValueError("numba's target has no AVX-512 VNNI")
+        if not jit.ready.is_set():
+            raise ValueError("jit's kernels are not compiled")
         _block, prange = _make_block(numba), numba.prange
-        _kernel = numba.njit(parallel=True, nogil=True, cache=True)(_two_part_kernel)
+        _sums = numba.njit(parallel=True, nogil=True, cache=True)(_sums_kernel)
+        _linear, _layer = map(numba.njit(nogil=True, cache=True), (_linear_kernel, _layer_kernel))
         generator = torch.Generator().manual_seed(0)
         weights = torch.randint(-127, 128, (BLOCK + 3, 2 * BLOCK), dtype=torch.int8, generator=generator)
         part = torch.ops.onednn.qlinear_prepack(weights, None)
@@ -155,15 +225,31 @@ def warm() -> bool:
             raise ValueError(f"oneDNN packed a {tuple(weights.shape)} weight in {torch.ops.mkldnn._nbytes(part)} bytes")
         high, low = torch.randint(1, 128, (2, 2 * BLOCK), dtype=torch.uint8, generator=generator).numpy()
         got = np.empty(BLOCK + 3, np.float32)
-        table = Table([part])
-        _kernel(high, low, np.float32(1), table.addresses, table.starts, table.counts, table.offsets,
-                np.ones(BLOCK + 3, np.float32), got)
+        addresses, starts, counts, offsets, *_ = Table([part], torch.ones(BLOCK + 3), 1, None, None).args
+        _sums(high, low, np.float32(1), addresses, starts, counts, offsets, np.ones(BLOCK + 3, np.float32), got)
         sums = (np.stack([high, low]).astype(np.int64) - 64) @ weights.numpy().astype(np.int64).T
         if not np.allclose(got, sums[0] + sums[1] / 126, rtol=1e-6):
             raise ValueError("its sums differ from the exact ones")
+        _compile_layer()
     except Exception as e:  # no AVX-512 VNNI, or oneDNN lays its weights out otherwise
         log.warning("qvl's decode kernel for oneDNN's weights is unavailable (%s: %s); oneDNN's own call decodes, "
                     "slower", type(e).__name__, e)
         return False
     ready = True
     return True
+
+
+def _compile_layer():
+    """layer() once on a small layer (4 query heads and 2 key/value heads of 16, hidden 64) over a float32 cache and
+    a bf16 one, with a linear that has loud channels: the types a decode step passes, compiled before it needs them."""
+    def table(out_features: int, apart: bool = False) -> Table:
+        part = torch.ops.onednn.qlinear_prepack(torch.ones(out_features, 64, dtype=torch.int8), None)
+        loud = (torch.tensor([1]), torch.ones(1, out_features)) if apart else (None, None)
+        return Table([part], torch.ones(out_features), 1, *loud)
+
+    tables = table(128), table(64), table(128), table(64, apart=True)
+    norm, rows = torch.ones(64), torch.ones(6, 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        keys, values = torch.zeros(2, 4, 16, dtype=dtype), torch.zeros(2, 4, 16, dtype=dtype)
+        layer(torch.ones(64), (norm, norm), (1e-6, 1e-6), (4, 2), 0.25, rows, torch.ones(16), torch.ones(16), keys,
+              values, 0, tables)
