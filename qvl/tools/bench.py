@@ -369,8 +369,9 @@ def scenarios(engine, names, first: list[int], references: dict | None = None) -
 def step_split(model, prompt_tokens: int, steps: int = 12) -> dict:
     """The lean decode step's median time after a text prompt of prompt_tokens, and its overhead: the same step with
     every linear of the text decoder and the head answering a ready-made output, so what is left is everything else
-    (norms, rope, attention over the cache, residuals, dispatch). Where qvl.engine.jit's kernels are on, also the step on
-    torch's ops alone (step_torch_ms). The ways alternate, so noise hits them alike."""
+    (norms, rope, attention over the cache, residuals, dispatch), one op at a time (vnni's layers in one call are
+    computed as their ops). Where qvl.engine.jit's kernels are on, also the step on torch's ops alone
+    (step_torch_ms). The ways alternate, so noise hits them alike."""
     text = model.model.language_model
     linears = [m for layer in text.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
@@ -386,9 +387,11 @@ def step_split(model, prompt_tokens: int, steps: int = 12) -> dict:
         times = {way: [] for way in decoders}
 
         def step(way):
+            fused = vnni.ready
             if way == "stubbed":
                 for m, out in zip(linears, outputs):
                     m.forward = lambda x, out=out: out
+                vnni.ready = False  # a layer in one call would read its weights, not the stubs
             if way == "torch":
                 jit.ready.clear()
             try:
@@ -396,6 +399,7 @@ def step_split(model, prompt_tokens: int, steps: int = 12) -> dict:
                 decoders[way].step(7)
                 return time.perf_counter() - start
             finally:
+                vnni.ready = fused
                 if way == "stubbed":
                     for m in linears:
                         del m.forward
