@@ -246,13 +246,15 @@ def test_a_layer_in_one_vnni_call_decodes_as_its_ops_one_by_one_and_no_farther_f
     """Where qvl's kernels read every linear of a layer (w8a14 on oneDNN's weights), one call computes a decode
     step's layer (vnni.layer): the logits of its ops one at a time within float rounding (silu's exp, the loud
     channels' sums), over a float32 and a bf16 cache, in a layer with weights in two parts and one without, a linear
-    with loud channels apart; and no farther from fp32's logits."""
+    with loud channels apart, norms of different epsilons; and no farther from fp32's logits."""
     monkeypatch.setattr(modes, "TWO_PART_LAYERS", 1)  # the tiny model's first layer in two parts, its second not
     model, reference = checkpoint.load_model(str(tiny_dir), "w8a14"), checkpoint.load_model(str(tiny_dir), "fp32")
     layers = model.model.language_model.layers
     assert [layer.mlp.down_proj.weight_parts for layer in layers] == [2, 1]
     down = layers[1].mlp.down_proj
     down.set_apart(torch.tensor([5, 40]), torch.randn(2, down.out_features) * 0.1)
+    for m in (model, reference):  # each norm's own epsilon, not the first one's
+        m.model.language_model.layers[1].post_attention_layernorm.variance_epsilon = 0.5
     lean.set_dtypes(model, cache=cache)
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(0))
     tokens = torch.randint(0, 256, (STEPS,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -328,9 +328,9 @@ def step(decoders: list[Decoder], tokens: list[int]) -> torch.Tensor:
         keys, values = [d.keys[i] for d in decoders], [d.values[i] for d in decoders]
         if alone and (tables := _vnni_tables(layer)) is not None:
             attention, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
-            vnni.layer(x, tuple(norm.weight for norm in norms),
-                       (norms[0].variance_epsilon, attention.q_norm.variance_epsilon), tuple(attention.heads[:2]),
-                       attention.scaling, qk_weight, cos[0], sin[0], keys[0][0], values[0][0], n[0], tables)
+            eps = (*(norm.variance_epsilon for norm in norms), attention.q_norm.variance_epsilon)
+            vnni.layer(x, tuple(norm.weight for norm in norms), eps, tuple(attention.heads[:2]), attention.scaling,
+                       qk_weight, cos[0], sin[0], keys[0][0], values[0][0], n[0], tables)
             continue
         x = x + layer.self_attn.step(_norm(layer.input_layernorm, x), cos, sin, keys, values, n, qk_weight)
         x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))

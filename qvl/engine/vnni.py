@@ -82,9 +82,9 @@ def linear(x: torch.Tensor, table: Table) -> torch.Tensor:
 def layer(x: torch.Tensor, norms: tuple, eps: tuple, heads: tuple, scaling: float, qk_weight: torch.Tensor,
           cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, tables: tuple):
     """One decode row x (float32, hidden values; updated in place) through a text decoder layer in one call, as
-    lean.step computes it: norms (the layer's two RMSNorm weights) and eps (theirs, then q/k's), the attention's q and
-    kv heads and scaling, qk_weight/cos/sin/keys/values/n as jit.rope takes them, and the tables of its q/k/v, o,
-    gate/up and down linears."""
+    lean.step computes it: norms (the layer's two RMSNorm weights) and eps (theirs, then q/k's norm's), the
+    attention's q and kv heads and scaling, qk_weight/cos/sin/keys/values/n as jit.rope takes them, and the tables of
+    its q/k/v, o, gate/up and down linears."""
     dim = keys.shape[-1]
     with jit._launch:
         jit._engine_threads()
@@ -140,11 +140,11 @@ def _layer_kernel(x, norms, eps, heads, scaling, qk_weight, cos, sin, keys, valu
     jit._norm(x.reshape(1, -1), norms[0], eps[0], h)
     q = np.empty((q_heads, dim), np.float32)
     qkv = _linear(h[0], tables[0])
-    jit._rope(qkv.reshape(-1, dim), qk_weight, cos, sin, eps[1], q_heads, kv_heads, keys, values, n, q)
+    jit._rope(qkv.reshape(-1, dim), qk_weight, cos, sin, eps[2], q_heads, kv_heads, keys, values, n, q)
     attended = np.empty((kv_heads, q_heads // kv_heads, dim), np.float32)
     jit._attend(q.reshape(kv_heads, -1, dim), keys, values, n + 1, scaling, attended)
     x += _linear(attended.reshape(-1), tables[1])
-    jit._norm(x.reshape(1, -1), norms[1], eps[0], h)
+    jit._norm(x.reshape(1, -1), norms[1], eps[1], h)
     gate_up = _linear(h[0], tables[2])
     inner = len(gate_up) // 2
     act = np.empty(inner, np.float32)
@@ -251,5 +251,5 @@ def _compile_layer():
     norm, rows = torch.ones(64), torch.ones(6, 16)
     for dtype in (torch.float32, torch.bfloat16):
         keys, values = torch.zeros(2, 4, 16, dtype=dtype), torch.zeros(2, 4, 16, dtype=dtype)
-        layer(torch.ones(64), (norm, norm), (1e-6, 1e-6), (4, 2), 0.25, rows, torch.ones(16), torch.ones(16), keys,
+        layer(torch.ones(64), (norm, norm), (1e-6,) * 3, (4, 2), 0.25, rows, torch.ones(16), torch.ones(16), keys,
               values, 0, tables)
