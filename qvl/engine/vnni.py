@@ -25,6 +25,7 @@ from qvl.engine import jit
 
 log = logging.getLogger("qvl")
 BLOCK = 64  # output channels of one of oneDNN's blocks
+STREAMS, AHEAD = 4, 512  # runs of a block read side by side, and how many bytes ahead each is prefetched
 _block = None  # the intrinsic, once warm() has made it: a block's sums for a row's two parts
 _sums = _linear = _layer = None  # the compiled kernels
 prange = range  # numba.prange once warm() has imported numba
@@ -156,12 +157,14 @@ def _layer_kernel(x, norms, eps, heads, scaling, qk_weight, cos, sin, keys, valu
 def _make_block(numba):
     """The intrinsic _block(weights, high, low, in_features, sums): for a block of 64 output channels at address
     weights (in_features / 4 groups of 64 channels x 4 int8 values), the dot products of the uint8 rows high and low
-    with each channel, into sums (2 x 64 int32): one vpdpbusd per 64 weights and part, four accumulators a part."""
+    with each channel, into sums (2 x 64 int32): one vpdpbusd per 64 weights and part, four accumulators a part.
+    The block is read as STREAMS runs side by side, each prefetched AHEAD bytes on: one run a core read 21-22 GB/s
+    on the 2B's weights, four such 25-27, as fast as the bench's bandwidth probe (docs/quantization.md)."""
     from llvmlite import ir
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    i32, i64 = ir.IntType(32), ir.IntType(64)
+    i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
     lanes = ir.VectorType(i32, 16)
 
     @intrinsic
@@ -172,22 +175,29 @@ def _make_block(numba):
             weights, high, low, in_features, sums = args
             dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
                                                  "llvm.x86.avx512.vpdpbusd.512")
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
+            read, keep, data = ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)
             zero = ir.Constant(lanes, [0] * 16)
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in range(2)]
-            groups = builder.udiv(in_features, ir.Constant(i64, 4))
+            groups = builder.udiv(in_features, ir.Constant(i64, 4 * STREAMS))  # fits(): in_features % 64 == 0
             with cgutils.for_range(builder, groups) as loop:
-                base = builder.add(weights, builder.mul(loop.index, ir.Constant(i64, 4 * BLOCK)))
-                ws = []
-                for j in range(4):
-                    at = builder.add(base, ir.Constant(i64, 64 * j))
-                    ws.append(builder.load(builder.inttoptr(at, lanes.as_pointer()), align=1))
-                for acc, row in zip(accs, (high, low)):
-                    four = builder.load(builder.inttoptr(builder.add(row, builder.mul(loop.index, ir.Constant(i64, 4))),
-                                                         i32.as_pointer()), align=1)
-                    x = builder.insert_element(ir.Constant(lanes, None), four, ir.Constant(i32, 0))
-                    x = builder.shuffle_vector(x, ir.Constant(lanes, None), ir.Constant(lanes, [0] * 16))
+                for stream in range(STREAMS):
+                    group = builder.add(loop.index, builder.mul(groups, ir.Constant(i64, stream)))
+                    base = builder.add(weights, builder.mul(group, ir.Constant(i64, 4 * BLOCK)))
+                    ws = []
                     for j in range(4):
-                        builder.store(builder.call(dot, [builder.load(acc[j]), x, ws[j]]), acc[j])
+                        at = builder.add(base, ir.Constant(i64, 64 * j))
+                        ahead = builder.inttoptr(builder.add(at, ir.Constant(i64, AHEAD)), i8.as_pointer())
+                        builder.call(prefetch, [ahead, read, keep, data])
+                        ws.append(builder.load(builder.inttoptr(at, lanes.as_pointer()), align=1))
+                    for acc, row in zip(accs, (high, low)):
+                        at = builder.add(row, builder.mul(group, ir.Constant(i64, 4)))
+                        four = builder.load(builder.inttoptr(at, i32.as_pointer()), align=1)
+                        x = builder.insert_element(ir.Constant(lanes, None), four, ir.Constant(i32, 0))
+                        x = builder.shuffle_vector(x, ir.Constant(lanes, None), ir.Constant(lanes, [0] * 16))
+                        for j in range(4):
+                            builder.store(builder.call(dot, [builder.load(acc[j]), x, ws[j]]), acc[j])
             for p, acc in enumerate(accs):
                 for j in range(4):
                     at = builder.add(sums, ir.Constant(i64, 4 * (p * BLOCK + 16 * j)))
