@@ -17,9 +17,9 @@ from qvl.engine.local import Engine
 calls = []
 attend = jit.attend
 jit.attend = lambda *args: calls.append(1) or attend(*args)
-linear, layer = vnni.linear, vnni.layer
+linear, decode = vnni.linear, vnni.decode
 vnni.linear = lambda *args: calls.append(2) or linear(*args)
-vnni.layer = lambda *args: calls.append(3) or layer(*args)
+vnni.decode = lambda *args: calls.append(3) or decode(*args)
 engine = Engine(settings.parse(["--model", sys.argv[1], "--quant", "w8a14", "--no-cache", "--cache-dir", sys.argv[2],
                                 *sys.argv[3:]], env={{}}))
 assert engine.settled.wait(120)
@@ -28,7 +28,7 @@ calls.clear()  # what warming up called
 params = settings.GenParams(greedy=False, temperature=1.0, top_k=0, top_p=1.0, seed=3, max_new_tokens=6, min_new_tokens=6)
 *pieces, stats = engine.chat([Turn("user", "Hello there")], params)
 print(json.dumps({{"numba": "numba" in sys.modules, "ready": jit.ready.is_set(), "calls": calls.count(1),
-                  "vnni": vnni.ready, "vnni_calls": calls.count(2), "vnni_layers": calls.count(3), "onednn": "oneDNN" in engine.precision,
+                  "vnni": vnni.ready, "vnni_calls": calls.count(2), "vnni_decodes": calls.count(3), "onednn": "oneDNN" in engine.precision,
                   "answer": "".join(pieces), "layers": len(engine.model.model.language_model.layers)}}))
 """
 
@@ -53,10 +53,10 @@ def test_an_engine_compiles_the_kernels_in_the_background_and_decodes_with_them(
     result, _ = served["default"]
     assert result["numba"] and result["ready"]
     steps = 5 * result["layers"]  # every decode step after the first token, every layer
-    # Where the int8 linears are oneDNN's (auto on AMX), each decode step's layer is one call of qvl's kernels (its
-    # attention inside it), and the head reads its weights with qvl's kernel, as the prompt's last row's head does.
+    # Where the int8 linears are oneDNN's (auto on AMX), each decode step's layers are one call of qvl's kernels
+    # (their attention inside it), and the head reads its weights with qvl's kernel, as the prompt's last row's does.
     assert result["calls"] == (0 if result["vnni"] else steps)
-    assert result["vnni_layers"] == (steps if result["vnni"] else 0)
+    assert result["vnni_decodes"] == (5 if result["vnni"] else 0)
     assert result["vnni_calls"] == (5 + 1 if result["vnni"] else 0)
     assert result["vnni"] == (result["onednn"] and "AMX" in cpu.flags())
 
@@ -80,6 +80,6 @@ def test_where_numbas_target_lacks_avx512_vnni_vnnis_kernel_is_not_compiled_and_
 
     monkeypatch.setattr(numba.config, "CPU_FEATURES", "+avx2,+fma")
     monkeypatch.setattr(vnni, "ready", False)
-    monkeypatch.setattr(vnni, "_layer", None)
-    assert not vnni.warm() and not vnni.ready and vnni._layer is None
+    monkeypatch.setattr(vnni, "_decode", None)
+    assert not vnni.warm() and not vnni.ready and vnni._decode is None
     assert "(ValueError: numba's target has no AVX-512 VNNI); oneDNN's own call decodes" in caplog.text

@@ -241,10 +241,10 @@ def test_fused_quantized_linears_are_exactly_the_separate_ones(kind):
 
 @pytest.mark.parametrize("kernels", ["vnni"], indirect=True)
 @pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
-def test_a_layer_in_one_vnni_call_decodes_as_its_ops_one_by_one_and_no_farther_from_fp32(
+def test_the_layers_in_one_vnni_call_decode_as_their_ops_one_by_one_and_no_farther_from_fp32(
         onednn, kernels, tiny_dir, cache, monkeypatch):
-    """Where qvl's kernels read every linear of a layer (w8a14 on oneDNN's weights), one call computes a decode
-    step's layer (vnni.layer): the logits of its ops one at a time within float rounding (silu's exp, the loud
+    """Where qvl's kernels read every linear of every layer (w8a14 on oneDNN's weights), one call computes a decode
+    step's layers (vnni.decode): the logits of their ops one at a time within float rounding (silu's exp, the loud
     channels' sums), over a float32 and a bf16 cache, in a layer with weights in two parts and one without, a linear
     with loud channels apart, norms of different epsilons; and no farther from fp32's logits."""
     monkeypatch.setattr(modes, "TWO_PART_LAYERS", 1)  # the tiny model's first layer in two parts, its second not
@@ -268,11 +268,11 @@ def test_a_layer_in_one_vnni_call_decodes_as_its_ops_one_by_one_and_no_farther_f
 
     kernels[1].clear()
     fused = decoded(model)
-    # Every step's layers each in one call, their attention inside it; the head on its own.
-    assert kernels[1].count("layer") == STEPS * len(layers) and "attend" not in kernels[1]
+    # Every step's layers in one call, their attention inside it; the head on its own.
+    assert kernels[1].count("decode") == STEPS and "attend" not in kernels[1]
     kernels[1].clear()
     separate = decoded(model, fused=False)
-    assert "layer" not in kernels[1] and kernels[1].count("attend") == STEPS * len(layers)
+    assert "decode" not in kernels[1] and kernels[1].count("attend") == STEPS * len(layers)
     assert (fused - separate).abs().max() <= TOLERANCE * separate.abs().max()
     exact = decoded(reference)
     assert (fused - exact).norm() <= 1.01 * (separate - exact).norm()

@@ -275,6 +275,7 @@ class Decoder:
         self.qk_weights = [layer.self_attn.qk_weight() for layer in self.text.layers]
         # The pairs are read a layer at a time, so each layer's prefill tensors are freed once moved.
         self.keys, self.values = self._move(((layer.keys, layer.values) for layer in cache.layers), self.n + room)
+        self.vnni_layers = _vnni_layers(self)
 
     def _move(self, pairs, size: int) -> tuple[list, list]:
         """Copy each layer's (keys, values) in pairs, all their positions, into one new block with room for size;
@@ -297,17 +298,32 @@ class Decoder:
         if self.keys is not None:
             n = (self.n if fed is None else min(self.n, self.prompt + fed)) if keep_decoded else self.prompt
             self._move([(keys[:, :, :n], values[:, :, :n]) for keys, values in zip(self.keys, self.values)], n)
-            self.keys = self.values = None  # the buffers' block is unmapped with its last view
+            # The buffers' block is unmapped with its last view: vnni's layers hold views too.
+            self.keys = self.values = self.vnni_layers = None
 
 
 def _vnni_tables(layer: nn.Module) -> tuple | None:
     """The tables of a decoder layer's four linears where vnni's kernels read them all (w8a14 on oneDNN's weights,
-    no bias): then one call computes the layer (vnni.layer)."""
+    no bias)."""
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     if not all(isinstance(m, quant.Int8Linear) and m.bias is None for m in linears):
         return None
     tables = tuple(m.vnni_table() for m in linears)
     return None if None in tables else tables
+
+
+def _vnni_layers(decoder: Decoder):
+    """What vnni.decode reads of every text decoder layer through decoder's answer, where vnni's kernels read every
+    linear of each: then one call computes a step's layers. None where not."""
+    prepared = []
+    for layer, qk_weight, keys, values in zip(decoder.text.layers, decoder.qk_weights, decoder.keys, decoder.values):
+        if (tables := _vnni_tables(layer)) is None:
+            return None
+        attention, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
+        eps = (*(norm.variance_epsilon for norm in norms), attention.q_norm.variance_epsilon)
+        prepared.append(vnni.prepare(tuple(norm.weight for norm in norms), eps, attention.heads[:2], attention.scaling,
+                                     qk_weight, keys[0], values[0], tables))
+    return vnni.layers(prepared)
 
 
 @torch.inference_mode()
@@ -323,17 +339,14 @@ def step(decoders: list[Decoder], tokens: list[int]) -> torch.Tensor:
     half = sin.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # Attention.step rotates with a roll
     n = [d.n for d in decoders]
-    alone = len(decoders) == 1 and x.dtype == torch.float32
-    for i, (layer, qk_weight) in enumerate(zip(text.layers, first.qk_weights)):
-        keys, values = [d.keys[i] for d in decoders], [d.values[i] for d in decoders]
-        if alone and (tables := _vnni_tables(layer)) is not None:
-            attention, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
-            eps = (*(norm.variance_epsilon for norm in norms), attention.q_norm.variance_epsilon)
-            vnni.layer(x, tuple(norm.weight for norm in norms), eps, tuple(attention.heads[:2]), attention.scaling,
-                       qk_weight, cos[0], sin[0], keys[0][0], values[0][0], n[0], tables)
-            continue
-        x = x + layer.self_attn.step(_norm(layer.input_layernorm, x), cos, sin, keys, values, n, qk_weight)
-        x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
+    # Every layer in one call, unless the kernels were switched off since the decoder was made.
+    if len(decoders) == 1 and x.dtype == torch.float32 and first.vnni_layers and vnni.ready and jit.ready.is_set():
+        vnni.decode(x, cos[0], sin[0], n[0], first.vnni_layers)
+    else:
+        for i, (layer, qk_weight) in enumerate(zip(text.layers, first.qk_weights)):
+            keys, values = [d.keys[i] for d in decoders], [d.values[i] for d in decoders]
+            x = x + layer.self_attn.step(_norm(layer.input_layernorm, x), cos, sin, keys, values, n, qk_weight)
+            x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
     for d in decoders:
         d.n += 1
     return first.model.lm_head(_norm(text.norm, x))[:, -1]

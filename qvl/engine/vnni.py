@@ -6,9 +6,10 @@ this kernel against 107 in oneDNN's call (and 108 in fbgemm's), in the same byte
 the 2B decoded 9.3 tok/s against 7.7 (docs/quantization.md, "The decode kernel"). Prompts and a batch's rows stay
 oneDNN's: its AMX tiles compute prompts, and from 2 rows on its call was as fast.
 
-Where every linear of a text layer is read so, a decode step's layer is one call (layer()): its norms, rotation and
-attention are jit's kernels called from this one, so the step makes 28 calls instead of ~113 linears and ~170 small
-ops, each of which cost more in dispatch than in work (docs/quantization.md, "The decode kernel").
+Where every linear of every text layer is read so, a decode step's layers are one call (decode()): their norms,
+rotation and attention are jit's kernels called from this one, and what each layer reads is made once per answer
+(prepare(), layers()), so the step makes that call and the head's instead of ~113 linears' and ~170 small ops', each
+of which cost more in dispatch than in work (docs/quantization.md, "The decode kernel").
 
 The layout is oneDNN's choice, not a promise: qvl reads it as measured (blocks of 64 output channels, each taking
 the input 4 values at a time, then a 32-bit compensation per channel holding minus its weights' sum), checks each
@@ -27,7 +28,7 @@ log = logging.getLogger("qvl")
 BLOCK = 64  # output channels of one of oneDNN's blocks
 STREAMS, AHEAD = 4, 512  # runs of a block read side by side, and how many bytes ahead each is prefetched
 _block = None  # the intrinsic, once warm() has made it: a block's sums for a row's two parts
-_sums = _linear = _layer = None  # the compiled kernels
+_sums = _linear = _layer = _decode = _List = None  # the compiled kernels, and numba's typed list
 prange = range  # numba.prange once warm() has imported numba
 ready = False
 
@@ -66,8 +67,11 @@ class Table:
             start += out_features
         if apart is None:
             apart, columns = torch.empty(0, dtype=torch.long), torch.empty(0, start // weight_parts)
+        def contiguous(tensor):  # as every table's: decode()'s typed list holds layers of one type
+            return np.ascontiguousarray(tensor.numpy())
+
         self.args = (*(np.array(a, np.int64) for a in (addresses, starts, counts)), np.concatenate(sums),
-                     scale.numpy(), weight_parts, apart.numpy(), columns.numpy())
+                     contiguous(scale), int(weight_parts), contiguous(apart), contiguous(columns))
 
 
 def linear(x: torch.Tensor, table: Table) -> torch.Tensor:
@@ -80,18 +84,32 @@ def linear(x: torch.Tensor, table: Table) -> torch.Tensor:
     return torch.from_numpy(y).view(*x.shape[:-1], -1)
 
 
-def layer(x: torch.Tensor, norms: tuple, eps: tuple, heads: tuple, scaling: float, qk_weight: torch.Tensor,
-          cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, tables: tuple):
-    """One decode row x (float32, hidden values; updated in place) through a text decoder layer in one call, as
-    lean.step computes it: norms (the layer's two RMSNorm weights) and eps (theirs, then q/k's norm's), the
-    attention's q and kv heads and scaling, qk_weight/cos/sin/keys/values/n as jit.rope takes them, and the tables of
-    its q/k/v, o, gate/up and down linears."""
+def prepare(norms: tuple, eps: tuple, heads: tuple, scaling: float, qk_weight: torch.Tensor, keys: torch.Tensor,
+            values: torch.Tensor, tables: tuple) -> tuple:
+    """What layers() reads of one text decoder layer through an answer: norms (its two RMSNorm weights) and eps
+    (theirs, then q/k's norm's), the attention's q and kv heads and scaling, qk_weight as jit.rope takes it, the
+    answer's keys and values buffers (kv heads x positions x head_dim), and the tables of its q/k/v, o, gate/up and
+    down linears. Every layer's the same types, as the kernels' typed list holds them."""
     dim = keys.shape[-1]
+    return (tuple(w.detach().numpy() for w in norms), tuple(map(float, eps)), tuple(map(int, heads)), float(scaling),
+            qk_weight.view(-1, dim).numpy(), jit._array(keys), jit._array(values), tuple(t.args for t in tables))
+
+
+def layers(prepared: list) -> "numba.typed.List":
+    """The prepared layers as layers() takes them: a list numba reads without converting each item every call (a
+    tuple of 28 layers cost 37 us a call to convert, and a new layer count compiled for 9 s)."""
+    typed = _List()
+    for layer in prepared:
+        typed.append(layer)
+    return typed
+
+
+def decode(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n: int, layers: "numba.typed.List"):
+    """One decode row x (float32, hidden values; updated in place) through every text decoder layer in one call, as
+    lean.step computes them one at a time: cos/sin/n as jit.rope takes them, the layers as layers() holds them."""
     with jit._launch:
         jit._engine_threads()
-        _layer(x.view(-1).numpy(), tuple(w.detach().numpy() for w in norms), eps, heads, scaling,
-               qk_weight.view(-1, dim).numpy(), cos.reshape(-1).numpy(), sin.reshape(-1).numpy(), jit._array(keys),
-               jit._array(values), n, tuple(t.args for t in tables))
+        _decode(x.view(-1).numpy(), cos.reshape(-1).numpy(), sin.reshape(-1).numpy(), n, layers)
 
 
 def _sums_kernel(high, low, level, addresses, starts, counts, offsets, scale, out):
@@ -131,8 +149,14 @@ def _linear_kernel(row, table):
     return y
 
 
-def _layer_kernel(x, norms, eps, heads, scaling, qk_weight, cos, sin, keys, values, n, tables):
-    """layer(): x += attention(norm(x)); x += mlp(norm(x)), with jit's kernels for the norms, q/k's norm and rotation,
+def _decode_kernel(x, cos, sin, n, layers):
+    """decode(): each layer in turn."""
+    for i in range(len(layers)):
+        _layer(x, cos, sin, n, *layers[i])
+
+
+def _layer_kernel(x, cos, sin, n, norms, eps, heads, scaling, qk_weight, keys, values, tables):
+    """One layer of decode(): x += attention(norm(x)); x += mlp(norm(x)), with jit's kernels for the norms, q/k's norm and rotation,
     and attention, and silu as torch computes it (x / (1 + exp(-x)), float32; torch's vectorized exp may differ in
     the last bit)."""
     q_heads, kv_heads = heads
@@ -213,7 +237,7 @@ def warm() -> bool:
     """Compile the kernels (or load them from numba's cache; jit's must be warm: they call its own) and check the sums
     on a packed weight whose channels do not fill its last block; ready where the CPU has AVX-512 VNNI and the layout
     is as read. False, with one log line, where not."""
-    global _block, _sums, _linear, _layer, prange, ready
+    global _block, _sums, _linear, _layer, _decode, _List, prange, ready
     if ready:
         return True
     try:
@@ -227,7 +251,9 @@ def warm() -> bool:
             raise ValueError("jit's kernels are not compiled")
         _block, prange = _make_block(numba), numba.prange
         _sums = numba.njit(parallel=True, nogil=True, cache=True)(_sums_kernel)
-        _linear, _layer = map(numba.njit(nogil=True, cache=True), (_linear_kernel, _layer_kernel))
+        _linear, _layer, _decode = map(numba.njit(nogil=True, cache=True),
+                                       (_linear_kernel, _layer_kernel, _decode_kernel))
+        from numba.typed import List as _List
         generator = torch.Generator().manual_seed(0)
         weights = torch.randint(-127, 128, (BLOCK + 3, 2 * BLOCK), dtype=torch.int8, generator=generator)
         part = torch.ops.onednn.qlinear_prepack(weights, None)
@@ -240,7 +266,7 @@ def warm() -> bool:
         sums = (np.stack([high, low]).astype(np.int64) - 64) @ weights.numpy().astype(np.int64).T
         if not np.allclose(got, sums[0] + sums[1] / 126, rtol=1e-6):
             raise ValueError("its sums differ from the exact ones")
-        _compile_layer()
+        _compile_decode()
     except Exception as e:  # no AVX-512 VNNI, or oneDNN lays its weights out otherwise
         log.warning("qvl's decode kernel for oneDNN's weights is unavailable (%s: %s); oneDNN's own call decodes, "
                     "slower", type(e).__name__, e)
@@ -249,17 +275,18 @@ def warm() -> bool:
     return True
 
 
-def _compile_layer():
-    """layer() once on a small layer (4 query heads and 2 key/value heads of 16, hidden 64) over a float32 cache and
-    a bf16 one, with a linear that has loud channels: the types a decode step passes, compiled before it needs them."""
+def _compile_decode():
+    """decode() once on two small layers (4 query heads and 2 key/value heads of 16, hidden 64) over a float32 cache
+    and a bf16 one, one with a linear that has loud channels: the types a decode step passes, compiled (and numba's
+    typed list made for them) before it needs them."""
     def table(out_features: int, apart: bool = False) -> Table:
         part = torch.ops.onednn.qlinear_prepack(torch.ones(out_features, 64, dtype=torch.int8), None)
         loud = (torch.tensor([1]), torch.ones(1, out_features)) if apart else (None, None)
         return Table([part], torch.ones(out_features), 1, *loud)
 
-    tables = table(128), table(64), table(128), table(64, apart=True)
     norm, rows = torch.ones(64), torch.ones(6, 16)
     for dtype in (torch.float32, torch.bfloat16):
         keys, values = torch.zeros(2, 4, 16, dtype=dtype), torch.zeros(2, 4, 16, dtype=dtype)
-        layer(torch.ones(64), (norm, norm), (1e-6,) * 3, (4, 2), 0.25, rows, torch.ones(16), torch.ones(16), keys,
-              values, 0, tables)
+        prepared = [prepare((norm, norm), (1e-6,) * 3, (4, 2), 0.25, rows, keys, values,
+                            (table(128), table(64), table(128), table(64, apart=loud))) for loud in (False, True)]
+        decode(torch.ones(64), torch.ones(16), torch.ones(16), 0, layers(prepared))
