@@ -10,7 +10,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import checkpoint, generate, heap, jit, kv, lean, modes
+from qvl.engine import checkpoint, generate, heap, jit, kv, lean, modes, vnni
 from test_engine import picture
 
 STEPS = 40
@@ -237,6 +237,33 @@ def test_fused_quantized_linears_are_exactly_the_separate_ones(kind):
     for rows in (1, 16, 40):  # decode rows (int4's and w8a16's own kernels), prefill rows (int4's int8 twin, bf16 GEMM)
         x = torch.randn(rows, 256)
         assert torch.equal(together(x), torch.cat([linear(x) for linear in separate], -1))
+
+
+@pytest.mark.parametrize("kernels", ["vnni"], indirect=True)
+def test_a_batchs_rows_through_vnnis_kernel_decode_as_through_onednns_call(onednn, kernels, tiny_dir, monkeypatch):
+    """Up to vnni.ROWS answers decoded together, each at its own place in its own cache: every linear's rows in one
+    call of qvl's kernel (each block's weights read once for them all), the logits of oneDNN's own call within float
+    rounding (the loud channels' sums; the whole-number sums are exact)."""
+    model = checkpoint.load_model(str(tiny_dir), "w8a14")
+    layers = len(model.model.language_model.layers)
+    ids = torch.randint(0, 256, (vnni.ROWS, 30), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 256, (STEPS, vnni.ROWS), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def decoded(rows: int) -> torch.Tensor:
+        monkeypatch.setattr(vnni, "ROWS", rows)
+        with torch.inference_mode():  # prompts of different lengths: each row attends at its own place
+            caches = [generate._forward(model, input_ids=ids[i:i + 1, :10 + 5 * i]).cache for i in range(len(ids))]
+            decoders = [lean.Decoder(model, cache, STEPS, 0) for cache in caches]
+            return torch.stack([lean.step(decoders, step) for step in tokens])
+
+    kernels[1].clear()
+    together = decoded(vnni.ROWS)
+    # Each step's four linears a layer and the head, and each prompt's last row through the head.
+    assert kernels[1].count("linear") == STEPS * (4 * layers + 1) + len(ids) and "decode" not in kernels[1]
+    kernels[1].clear()
+    onednn_call = decoded(1)
+    assert kernels[1].count("linear") == len(ids)  # the prompts' heads alone
+    assert (together - onednn_call).abs().max() <= TOLERANCE * onednn_call.abs().max()
 
 
 @pytest.mark.parametrize("kernels", ["vnni"], indirect=True)

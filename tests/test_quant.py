@@ -320,9 +320,9 @@ def test_onednn_decodes_w8a14_rows_exactly_as_fbgemm_and_prefills_no_farther_fro
 def test_vnnis_kernel_reads_onednns_packed_weights_to_its_decode_rows_bit_for_bit(onednn, kernels, parts):
     """qvl's decode kernel reads oneDNN's packed weights where they lie: whole and in pieces whose channels do not
     fill its last block of 64, weights in two parts, each the same output as oneDNN's own call, and with loud channels
-    apart within float rounding (their products are summed in the kernel's order, not addmm's). It takes a single
-    decode row (a batch's rows keep oneDNN's call, as fast for 2 and faster from 4) and weights it can read: an input
-    width no multiple of 64 keeps oneDNN's call."""
+    apart within float rounding (their products are summed in the kernel's order, not addmm's). It takes up to
+    vnni.ROWS decode rows (more keep oneDNN's call, faster there) and weights it can read: an input width no multiple
+    of 64 keeps oneDNN's call."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(512, 150, bias=True)
     linear = quant._dynamic_int8(layer, parts=parts)
@@ -333,14 +333,14 @@ def test_vnnis_kernel_reads_onednns_packed_weights_to_its_decode_rows_bit_for_bi
     x = torch.randn(1, quant.DECODE_ROWS, 520) * torch.logspace(-2, 1, quant.DECODE_ROWS)[:, None]
     for ours in (linear, pieces, odd):
         ours.two_part = True
-        for rows in (1, 2, quant.DECODE_ROWS):
+        for rows in (1, 2, vnni.ROWS, vnni.ROWS + 1):
             kernels[1].clear()
             got = ours(x[:, :rows, :ours.in_features])
-            assert kernels[1] == ["in_two_parts" if ours is odd or rows > 1 else "linear"]
+            assert kernels[1] == ["in_two_parts" if ours is odd or rows > vnni.ROWS else "linear"]
             vnni.ready = False  # oneDNN's own call (the fixture puts it back)
             want = ours(x[:, :rows, :ours.in_features])
             assert kernels[1][-1] == "in_two_parts"
-            if ours is pieces and rows == 1:
+            if ours is pieces and rows <= vnni.ROWS:
                 assert torch.allclose(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
             else:
                 assert torch.equal(got, want)

@@ -315,8 +315,8 @@ class Int8Linear(_Apart):
         return False
 
     def forward(self, x):
-        if x.numel() == self.in_features and (table := self.vnni_table()) is not None:
-            y = vnni.linear(x, table)  # one decode row: its loud channels and weight parts too, in one call
+        if x.numel() <= vnni.ROWS * self.in_features and (table := self.vnni_table()) is not None:
+            y = vnni.linear(x, table)  # decode rows: their loud channels and weight parts too, in one call
             return y if self.bias is None else y + self.bias
         if self.apart is not None:
             loud, x = x.index_select(-1, self.apart), x.index_fill(-1, self.apart, 0)
@@ -383,10 +383,9 @@ class Int8Linear(_Apart):
         return y.view(*x.shape[:-1], -1)
 
     def vnni_table(self) -> "vnni.Table | None":
-        """What vnni's kernels read of this linear for a decode row once they are warm, as its packed parts are now
+        """What vnni's kernels read of this linear for decode rows once they are warm, as its packed parts are now
         (settle() replaces them), or None: not w8a14's two parts, or packed otherwise than vnni reads. They read it
-        faster than oneDNN's call for a single row; from 2 rows on oneDNN's was as fast, from 4 faster
-        (docs/quantization.md, "The decode kernel")."""
+        faster than oneDNN's call up to vnni.ROWS rows (docs/quantization.md, "The decode kernel")."""
         if not (self.two_part and jit.ready.is_set() and vnni.ready):
             return None
         parts, (packed, table) = self.parts, self._table

@@ -3,8 +3,8 @@ written in LLVM IR through numba, reads the packed weights where oneDNN left the
 
 For a single row oneDNN's own call is not bound by reading the weights: the 2B's decode step's linears took 95 ms in
 this kernel against 107 in oneDNN's call (and 108 in fbgemm's), in the same bytes and the same whole-number sums, and
-the 2B decoded 9.3 tok/s against 7.7 (docs/quantization.md, "The decode kernel"). Prompts and a batch's rows stay
-oneDNN's: its AMX tiles compute prompts, and from 2 rows on its call was as fast.
+the 2B decoded 9.3 tok/s against 7.7 (docs/quantization.md, "The decode kernel"). So do a batch's rows up to ROWS,
+each block's weights read once for them all; prompts and larger batches stay oneDNN's, whose AMX tiles compute them.
 
 Where every linear of every text layer is read so, a decode step's layers are one call (decode()): their norms,
 rotation and attention are jit's kernels called from this one, and what each layer reads is made once per answer
@@ -26,6 +26,9 @@ from qvl.engine import jit
 
 log = logging.getLogger("qvl")
 BLOCK = 64  # output channels of one of oneDNN's blocks
+# Decode rows up to which the kernel computes an Int8Linear: a batch's step of the 2B took 130 ms against oneDNN's
+# 157 for 2 rows, 172 against 188 for 4, and 257 against 233 for 8, where computing the sums costs more than reading.
+ROWS = 4
 STREAMS, AHEAD = 4, 512  # runs of a block read side by side, and how many bytes ahead each is prefetched
 _block = None  # the intrinsic, once warm() has made it: a block's sums for a row's two parts
 _sums = _linear = _layer = _decode = _List = None  # the compiled kernels, and numba's typed list
@@ -75,18 +78,18 @@ class Table:
 
 
 def linear(x: torch.Tensor, table: Table) -> torch.Tensor:
-    """An Int8Linear's output, without its bias, for one decode row x (float32, in_features values in all) in two
-    parts (jit.in_two_parts), read from oneDNN's packed weights by the kernel: its loud channels apart, its weight
-    parts summed, as Int8Linear.forward computes them around oneDNN's call."""
+    """An Int8Linear's output, without its bias, for decode rows x (float32, ... x in_features) each in two parts
+    (jit.in_two_parts), read from oneDNN's packed weights by the kernel: its loud channels apart, its weight parts
+    summed, as Int8Linear.forward computes them around oneDNN's call."""
     with jit._launch:
         jit._engine_threads()
-        y = _linear(x.reshape(-1).contiguous().numpy(), table.args)
+        y = _linear(x.reshape(-1, x.shape[-1]).contiguous().numpy(), table.args)
     return torch.from_numpy(y).view(*x.shape[:-1], -1)
 
 
 def prepare(norms: tuple, eps: tuple, heads: tuple, scaling: float, qk_weight: torch.Tensor, keys: torch.Tensor,
             values: torch.Tensor, tables: tuple) -> tuple:
-    """What layers() reads of one text decoder layer through an answer: norms (its two RMSNorm weights) and eps
+    """What decode() reads of one text decoder layer through an answer: norms (its two RMSNorm weights) and eps
     (theirs, then q/k's norm's), the attention's q and kv heads and scaling, qk_weight as jit.rope takes it, the
     answer's keys and values buffers (kv heads x positions x head_dim), and the tables of its q/k/v, o, gate/up and
     down linears. Every layer's the same types, as the kernels' typed list holds them."""
@@ -96,7 +99,7 @@ def prepare(norms: tuple, eps: tuple, heads: tuple, scaling: float, qk_weight: t
 
 
 def layers(prepared: list) -> "numba.typed.List":
-    """The prepared layers as layers() takes them: a list numba reads without converting each item every call (a
+    """The prepared layers as decode() takes them: a list numba reads without converting each item every call (a
     tuple of 28 layers cost 37 us a call to convert, and a new layer count compiled for 9 s)."""
     typed = _List()
     for layer in prepared:
@@ -112,40 +115,47 @@ def decode(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n: int, layers
         _decode(x.view(-1).numpy(), cos.reshape(-1).numpy(), sin.reshape(-1).numpy(), n, layers)
 
 
-def _sums_kernel(high, low, level, addresses, starts, counts, offsets, scale, out):
-    """For each block of 64 output channels (over every core): the sums of the row's two parts with the block's
-    weights, less the zero point's share, joined as jit._join_kernel joins them."""
+def _sums_kernel(parts, levels, addresses, starts, counts, offsets, scale, out):
+    """For each block of 64 output channels (over every core), each row in turn (parts: the rows' high parts, then
+    their low parts, as jit._split writes them; the block's weights stay in the core's cache for the next): the sums
+    of the row's two parts with the block's weights, less the zero point's share, joined as jit._join_kernel joins
+    them."""
+    rows, width = len(levels), parts.shape[1]
     for b in prange(len(addresses)):
         sums = np.empty(2 * BLOCK, np.int32)
-        _block(addresses[b], high.ctypes.data, low.ctypes.data, len(high), sums.ctypes.data)
-        for j in range(counts[b]):
-            n = starts[b] + j
-            out[n] = (np.float32(sums[j] - offsets[n]) + np.float32(sums[BLOCK + j] - offsets[n]) * np.float32(1 / 126)
-                      ) * level * scale[n]
+        for r in range(rows):
+            _block(addresses[b], parts[r].ctypes.data, parts[rows + r].ctypes.data, width, sums.ctypes.data)
+            for j in range(counts[b]):
+                n = starts[b] + j
+                out[r, n] = (np.float32(sums[j] - offsets[n])
+                             + np.float32(sums[BLOCK + j] - offsets[n]) * np.float32(1 / 126)) * levels[r, 0] * scale[n]
 
 
-def _linear_kernel(row, table):
-    """linear()'s output for row (in_features, float32): the loud channels out of the split and added back (as
+def _linear_kernel(rows, table):
+    """linear()'s output for rows (r x in_features, float32): the loud channels out of the split and added back (as
     addmm adds them: their products summed, then added), jit's split into two uint8 parts, the sums, the weight
     parts added."""
     addresses, starts, counts, offsets, scale, weight_parts, apart, columns = table
-    loud = np.empty(len(apart), np.float32)
+    r = len(rows)
+    loud = np.empty((r, len(apart)), np.float32)
     if len(apart):
-        row = row.copy()
-        for c in range(len(apart)):
-            loud[c] = row[apart[c]]
-            row[apart[c]] = 0
-    parts = np.empty((2, len(row)), np.uint8)
-    level = jit._split(row.reshape(1, -1), parts, np.float32(64))[0, 0]
-    y = np.empty(len(offsets), np.float32)
-    _sums(parts[0], parts[1], level, addresses, starts, counts, offsets, scale, y)
+        rows = rows.copy()
+        for i in range(r):
+            for c in range(len(apart)):
+                loud[i, c] = rows[i, apart[c]]
+                rows[i, apart[c]] = 0
+    parts = np.empty((2 * r, rows.shape[1]), np.uint8)
+    levels = jit._split(rows, parts, np.float32(64))
+    y = np.empty((r, len(offsets)), np.float32)
+    _sums(parts, levels, addresses, starts, counts, offsets, scale, y)
     if weight_parts == 2:
-        y = y[:len(y) // 2] + y[len(y) // 2:]
-    for j in range(len(y) if len(apart) else 0):
-        added = np.float32(0)
-        for c in range(len(apart)):
-            added += loud[c] * columns[c, j]
-        y[j] += added
+        y = y[:, :y.shape[1] // 2] + y[:, y.shape[1] // 2:]
+    for i in range(r if len(apart) else 0):
+        for j in range(y.shape[1]):
+            added = np.float32(0)
+            for c in range(len(apart)):
+                added += loud[i, c] * columns[c, j]
+            y[i, j] += added
     return y
 
 
@@ -164,18 +174,18 @@ def _layer_kernel(x, cos, sin, n, norms, eps, heads, scaling, qk_weight, keys, v
     h = np.empty((1, len(x)), np.float32)
     jit._norm(x.reshape(1, -1), norms[0], eps[0], h)
     q = np.empty((q_heads, dim), np.float32)
-    qkv = _linear(h[0], tables[0])
+    qkv = _linear(h, tables[0])[0]
     jit._rope(qkv.reshape(-1, dim), qk_weight, cos, sin, eps[2], q_heads, kv_heads, keys, values, n, q)
     attended = np.empty((kv_heads, q_heads // kv_heads, dim), np.float32)
     jit._attend(q.reshape(kv_heads, -1, dim), keys, values, n + 1, scaling, attended)
-    x += _linear(attended.reshape(-1), tables[1])
+    x += _linear(attended.reshape(1, -1), tables[1])[0]
     jit._norm(x.reshape(1, -1), norms[1], eps[1], h)
-    gate_up = _linear(h[0], tables[2])
+    gate_up = _linear(h, tables[2])[0]
     inner = len(gate_up) // 2
     act = np.empty(inner, np.float32)
     for i in range(inner):
         act[i] = gate_up[i] / (np.float32(1) + np.exp(-gate_up[i])) * gate_up[inner + i]
-    x += _linear(act, tables[3])
+    x += _linear(act.reshape(1, -1), tables[3])[0]
 
 
 def _make_block(numba):
@@ -259,12 +269,13 @@ def warm() -> bool:
         part = torch.ops.onednn.qlinear_prepack(weights, None)
         if not fits(part):
             raise ValueError(f"oneDNN packed a {tuple(weights.shape)} weight in {torch.ops.mkldnn._nbytes(part)} bytes")
-        high, low = torch.randint(1, 128, (2, 2 * BLOCK), dtype=torch.uint8, generator=generator).numpy()
-        got = np.empty(BLOCK + 3, np.float32)
+        parts = torch.randint(1, 128, (2, 2 * BLOCK), dtype=torch.uint8, generator=generator).numpy()  # high, low
+        got = np.empty((1, BLOCK + 3), np.float32)
         addresses, starts, counts, offsets, *_ = Table([part], torch.ones(BLOCK + 3), 1, None, None).args
-        _sums(high, low, np.float32(1), addresses, starts, counts, offsets, np.ones(BLOCK + 3, np.float32), got)
-        sums = (np.stack([high, low]).astype(np.int64) - 64) @ weights.numpy().astype(np.int64).T
-        if not np.allclose(got, sums[0] + sums[1] / 126, rtol=1e-6):
+        _sums(parts, np.ones((1, 1), np.float32), addresses, starts, counts, offsets, np.ones(BLOCK + 3, np.float32),
+              got)
+        sums = (parts.astype(np.int64) - 64) @ weights.numpy().astype(np.int64).T
+        if not np.allclose(got[0], sums[0] + sums[1] / 126, rtol=1e-6):
             raise ValueError("its sums differ from the exact ones")
         _compile_decode()
     except Exception as e:  # no AVX-512 VNNI, or oneDNN lays its weights out otherwise
