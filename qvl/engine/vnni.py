@@ -70,6 +70,7 @@ class Table:
             start += out_features
         if apart is None:
             apart, columns = torch.empty(0, dtype=torch.long), torch.empty(0, start // weight_parts)
+
         def contiguous(tensor):  # as every table's: decode()'s typed list holds layers of one type
             return np.ascontiguousarray(tensor.numpy())
 
@@ -166,9 +167,9 @@ def _decode_kernel(x, cos, sin, n, layers):
 
 
 def _layer_kernel(x, cos, sin, n, norms, eps, heads, scaling, qk_weight, keys, values, tables):
-    """One layer of decode(): x += attention(norm(x)); x += mlp(norm(x)), with jit's kernels for the norms, q/k's norm and rotation,
-    and attention, and silu as torch computes it (x / (1 + exp(-x)), float32; torch's vectorized exp may differ in
-    the last bit)."""
+    """One layer of decode(): x += attention(norm(x)); x += mlp(norm(x)), with jit's kernels for the norms, q/k's
+    norm and rotation, and attention, and silu as torch computes it (x / (1 + exp(-x)), float32; torch's vectorized
+    exp may differ in the last bit)."""
     q_heads, kv_heads = heads
     dim = keys.shape[-1]
     h = np.empty((1, len(x)), np.float32)
