@@ -372,7 +372,8 @@ class Int8Linear(_Apart):
         For decode rows only: there the kernel is bound by reading the weights, once for all rows, while a prompt's
         rows are bound by computing them, and twice as many would cost a prompt more time than its precision is worth
         (docs/quantization.md, "How `w8a14` works"). The split and the join are jit's kernels once they are compiled,
-        where torch's ops take ~14 small calls (a single row on oneDNN's weights goes to vnni's kernel: forward)."""
+        where torch's ops take ~14 small calls (up to vnni.ROWS rows on oneDNN's weights go to vnni's kernel:
+        forward)."""
         rows = x.reshape(-1, self.in_features).contiguous()
         if jit.ready.is_set():
             y = jit.in_two_parts(rows, lambda parts: self._int8(parts, _whole_numbers), self.scale, self.onednn)

@@ -46,7 +46,7 @@ def fits(part) -> bool:
 
 
 class Table:
-    """What the kernels read of an Int8Linear for one decode row: each block's address, first output column and
+    """What the kernels read of an Int8Linear for decode rows: each block's address, first output column and
     channels, each channel's 64 times its weights' sum (the uint8 input's zero point times the compensation), the rows'
     scales, its weight parts (2: each row's levels, then what they rounded off), and its loud channels with their
     weights (none: empty). Holds the parts: their memory lives as long as the table."""

@@ -391,7 +391,7 @@ def step_split(model, prompt_tokens: int, steps: int = 12) -> dict:
             if way == "stubbed":
                 for m, out in zip(linears, outputs):
                     m.forward = lambda x, out=out: out
-                vnni.ready = False  # a layer in one call would read its weights, not the stubs
+                vnni.ready = False  # the layers in one call would read their weights, not the stubs
             if way == "torch":
                 jit.ready.clear()
             try:
