@@ -4,8 +4,9 @@ test_quant (the kernels fixture)."""
 import json
 
 import pytest
+import torch
 
-from qvl.engine import cpu, vnni
+from qvl.engine import cpu, jit, vnni
 
 ENGINE = """
 import json, sys
@@ -83,3 +84,18 @@ def test_where_numbas_target_lacks_avx512_vnni_vnnis_kernel_is_not_compiled_and_
     monkeypatch.setattr(vnni, "_decode", None)
     assert not vnni.warm() and not vnni.ready and vnni._decode is None
     assert "(ValueError: numba's target has no AVX-512 VNNI); oneDNN's own call decodes" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_attention_reads_rows_of_any_length_16_lanes_at_a_time_and_the_rest_one_by_one(engine, dtype):
+    """head_dim 16 (the tiny model's) and 128 (the 2B's) fill whole lanes; 40 and 7 leave a tail: each is softmax
+    attention over the first n cached positions, as computed in float64."""
+    engine.settled.wait()
+    assert jit.warm(engine.settings.cache_dir)
+    generator = torch.Generator().manual_seed(0)
+    for dim in (16, 128, 40, 7):
+        q = torch.randn(3, 2, dim, generator=generator)
+        keys, values = (torch.randn(3, 50, dim, generator=generator).to(dtype) for _ in range(2))
+        weights = (torch.einsum("hgd,hpd->hgp", q.double(), keys[:, :37].double()) * 0.3).softmax(-1)
+        expected = torch.einsum("hgp,hpd->hgd", weights, values[:, :37].double())
+        torch.testing.assert_close(jit.attend(q, keys, values, 37, 0.3).double(), expected, rtol=1e-5, atol=1e-5)
