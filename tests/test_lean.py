@@ -99,6 +99,8 @@ def test_lean_steps_give_transformers_logits_position_by_position(engine, plain,
         assert delta != 0  # the image moved text positions
         ours = generate._forward(engine.model, **prompt, position_ids=position_ids)
         reference = plain(**prompt, use_cache=True, logits_to_keep=1)
+        expected = reference.logits[0, -1]  # the prompt's own: its norms on jit's kernel where it is on
+        assert (ours.logits[0, -1] - expected).abs().max() <= TOLERANCE * expected.abs().max()
         decoder = lean.Decoder(engine.model, ours.cache, STEPS, delta)
         for i, token in enumerate(tokens):
             logits = decoder.step(token)
@@ -109,9 +111,10 @@ def test_lean_steps_give_transformers_logits_position_by_position(engine, plain,
             assert logits.argmax() == expected.argmax()
     layers = len(engine.model.model.language_model.layers)
     assert len(calls) == STEPS * layers
-    if kernels[0] == "jit":  # each layer's q/k/v into place and its attention, every norm (two a layer, the final)
+    if kernels[0] == "jit":  # each layer's q/k/v into place and its attention, every norm (two a layer, the final),
+        # and the prompt's norms (q's and k's too)
         assert Counter(kernels[1]) == {"rope": STEPS * layers, "attend": STEPS * layers,
-                                       "norm": STEPS * (2 * layers + 1),
+                                       "norm": STEPS * (2 * layers + 1) + 4 * layers + 1,
                                        "vision_rope": len(engine.model.model.visual.blocks)}  # the prompt's image
     else:
         assert kernels[1] == []

@@ -158,16 +158,21 @@ def _join_kernel(y, levels, scale, out):
             out[i, j] = (y[i, j] + y[r + i, j] * np.float32(1 / 126)) * levels[i, 0] * scale[j]
 
 
+def rms_norm(x, weight, eps, out):
+    """In a kernel: out = x / sqrt(mean(x^2) + eps) * weight for one float32 row, its squares summed 16 lanes at a
+    time (dot)."""
+
+
 def _norm_kernel(x, weight, eps, out):
-    """RMSNorm of each row of x: out = x / sqrt(mean(x^2) + eps) * weight."""
-    rows, n = x.shape
-    for r in range(rows):
-        total = np.float32(0)
-        for i in range(n):
-            total += x[r, i] * x[r, i]
-        inv = np.float32(1 / math.sqrt(total / n + eps))
-        for i in range(n):
-            out[r, i] = x[r, i] * inv * weight[i]
+    """RMSNorm of each row of x: a decode step's few."""
+    for r in range(len(x)):
+        rms_norm(x[r], weight, eps, out[r])
+
+
+def _prompt_norm_kernel(x, weight, eps, out):
+    """_norm_kernel over every core, for a prompt's rows: transformers' six ops took ~80 ms of the 2B's first token."""
+    for r in prange(len(x)):
+        rms_norm(x[r], weight, eps, out[r])
 
 
 def _rope_kernel(qkv, weight, cos, sin, eps, q_heads, kv_heads, keys, values, n, q):
@@ -195,8 +200,8 @@ def _rope_kernel(qkv, weight, cos, sin, eps, q_heads, kv_heads, keys, values, n,
 
 def _register(numba):
     """widen's and store's bodies for numba, by the element type (bf16 travels as its uint16 bits). Inlined: as calls
-    they kept the loops around them from vectorizing (a tower's weight conversions took twice as long). And peak's, and
-    dot's, add_scaled's and prefetch's (_rows)."""
+    they kept the loops around them from vectorizing (a tower's weight conversions took twice as long). And rms_norm's,
+    peak's, and dot's, add_scaled's and prefetch's (_rows)."""
     from numba.extending import overload
     _rows(numba)
 
@@ -222,6 +227,14 @@ def _register(numba):
         def as_is(src, dst):
             dst[:] = src
         return as_is
+
+    @overload(rms_norm, inline="always")
+    def _rms_norm(x, weight, eps, out):
+        def one_row(x, weight, eps, out):
+            inv = np.float32(1 / math.sqrt(dot(x, x) / len(x) + eps))
+            for i in range(len(x)):
+                out[i] = x[i] * inv * weight[i]
+        return one_row
 
     @overload(peak, inline="always")
     def _peak(row):
@@ -363,7 +376,7 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 
 # The compiled kernels, and numba's thread count for this thread.
-_attend = _dequantize = _levels = _vision_rope = _split = _join = _norm = _rope = _set_threads = None
+_attend = _dequantize = _levels = _vision_rope = _split = _join = _norm = _prompt_norm = _rope = _set_threads = None
 _max_threads = 1
 
 
@@ -371,7 +384,8 @@ def warm(cache_dir: str) -> bool:
     """Import numba and compile the kernels (or load them from numba's cache in cache_dir/numba, unless
     NUMBA_CACHE_DIR says where), then set ready; False, with one log line, where numba cannot be imported or compile
     (torch's ops go on serving)."""
-    global prange, _attend, _dequantize, _levels, _vision_rope, _split, _join, _norm, _rope, _set_threads, _max_threads
+    global prange, _attend, _dequantize, _levels, _vision_rope, _split, _join, _norm, _prompt_norm, _rope, _set_threads
+    global _max_threads
     with _warming:
         if _attend is None:
             start = time.perf_counter()
@@ -386,8 +400,8 @@ def warm(cache_dir: str) -> bool:
                 kernels = attend(_attend_kernel), *map(numba.njit(nogil=True, cache=True),
                                                        (_split_kernel, _join_kernel, _norm_kernel, _rope_kernel))
                 # A prompt's: exact, and over every core (each row, or position, on its own).
-                dequantize, vision_rope = map(numba.njit(parallel=True, nogil=True, cache=True),
-                                              (_dequantize_kernel, _vision_rope_kernel))
+                dequantize, vision_rope, prompt_norm = map(numba.njit(parallel=True, nogil=True, cache=True),
+                                                           (_dequantize_kernel, _vision_rope_kernel, _prompt_norm_kernel))
                 # contract: x / peak * inverse + 128 in one rounding, as torch's (fbgemm's) quantization does it.
                 in_levels = numba.njit(parallel=True, nogil=True, cache=True,
                                        fastmath={"contract", "nnan", "ninf", "nsz"})(_levels_kernel)
@@ -406,12 +420,13 @@ def warm(cache_dir: str) -> bool:
                 kernels[1](rows[:1], np.zeros((2, 2), np.uint8), np.float32(64))  # oneDNN's parts
                 kernels[2](rows[:2], levels, rows[0], np.zeros((1, 2), np.float32))
                 kernels[3](rows, rows[0], 1e-6, rows.copy())
+                prompt_norm(rows, rows[0], 1e-6, rows.copy())
             except Exception as e:  # no numba wheel for this platform, or a compile failure
                 log.warning("the numba decode kernels are unavailable (%s: %s); decoding with torch's ops",
                             type(e).__name__, e)
                 return False
             (_attend, _split, _join, _norm, _rope), _dequantize = kernels, dequantize
-            _levels, _vision_rope = in_levels, vision_rope
+            _levels, _vision_rope, _prompt_norm = in_levels, vision_rope, prompt_norm
             log.info("the numba decode kernels are ready (%.1f s; cached in %s)", time.perf_counter() - start,
                      numba.config.CACHE_DIR)
         ready.set()
@@ -492,10 +507,17 @@ def in_two_parts(rows: torch.Tensor, linear, scale: torch.Tensor, uint8: bool) -
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.rms_norm(x, weight.shape, weight, eps) for a float32 x and weight."""
+    """F.rms_norm(x, weight.shape, weight, eps) for a float32 x and weight: a decode row on the calling core, more rows
+    (a prompt's) over every core."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    _norm(x.view(-1, x.shape[-1]).numpy(), weight.detach().numpy(), eps, out.view(-1, x.shape[-1]).numpy())
+    rows, outs = x.view(-1, x.shape[-1]).numpy(), out.view(-1, x.shape[-1]).numpy()
+    if len(rows) == 1:
+        _norm(rows, weight.detach().numpy(), eps, outs)
+        return out
+    with _launch:
+        _engine_threads()
+        _prompt_norm(rows, weight.detach().numpy(), eps, outs)
     return out
 
 
