@@ -112,9 +112,9 @@ def test_lean_steps_give_transformers_logits_position_by_position(engine, plain,
     layers = len(engine.model.model.language_model.layers)
     assert len(calls) == STEPS * layers
     if kernels[0] == "jit":  # each layer's q/k/v into place and its attention, every norm (two a layer, the final),
-        # and the prompt's norms (q's and k's too)
+        # and the prompt's: its norms, and each layer's q and k normed and rotated
         assert Counter(kernels[1]) == {"rope": STEPS * layers, "attend": STEPS * layers,
-                                       "norm": STEPS * (2 * layers + 1) + 4 * layers + 1,
+                                       "norm": STEPS * (2 * layers + 1) + 2 * layers + 1, "prompt_rope": layers,
                                        "vision_rope": len(engine.model.model.visual.blocks)}  # the prompt's image
     else:
         assert kernels[1] == []

@@ -198,6 +198,23 @@ def _rope_kernel(qkv, weight, cos, sin, eps, q_heads, kv_heads, keys, values, n,
         store(qkv[q_heads + kv_heads + h], values[h, n])
 
 
+def _prompt_rope_kernel(qkv, weight, eps, cos, sin, q_heads, kv_heads, q, k):
+    """A prompt's q and k heads (qkv: positions x heads x dim, q's heads, then k's, then v's) each RMS-normed with its
+    row of weight and rotated as transformers rotates them (x * cos + rotate_half(x) * sin, each product and the sum
+    rounded once), into q (q heads x positions x dim) and k (kv heads x positions x dim), the layout attention reads."""
+    positions, _, dim = qkv.shape
+    half = dim // 2
+    for p in prange(positions):
+        y = np.empty(dim, np.float32)
+        for h in range(q_heads + kv_heads):
+            rms_norm(qkv[p, h], weight[h], eps, y)
+            out = q[h, p] if h < q_heads else k[h - q_heads, p]
+            for i in range(half):
+                out[i] = y[i] * cos[p, i] + (-y[i + half]) * sin[p, i]
+            for i in range(half, dim):
+                out[i] = y[i] * cos[p, i] + y[i - half] * sin[p, i]
+
+
 def _register(numba):
     """widen's and store's bodies for numba, by the element type (bf16 travels as its uint16 bits). Inlined: as calls
     they kept the loops around them from vectorizing (a tower's weight conversions took twice as long). And rms_norm's,
@@ -331,7 +348,8 @@ def _rows(numba):
             (data, n), (out_data, _) = (row_of(context, builder, t, v) for t, v in zip(sig.args[1:], args[1:]))
             weight = context.cast(builder, args[0], sig.args[0], numba.types.float32)
             first = builder.insert_element(ir.Constant(lanes, None), weight, ir.Constant(i32, 0))
-            spread = builder.shuffle_vector(first, ir.Constant(lanes, None), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+            spread = builder.shuffle_vector(first, ir.Constant(lanes, None),
+                                            ir.Constant(ir.VectorType(i32, 16), [0] * 16))
 
             def body(at, kind):
                 target = builder.bitcast(builder.gep(out_data, [at]), kind.as_pointer())
@@ -376,7 +394,8 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 
 # The compiled kernels, and numba's thread count for this thread.
-_attend = _dequantize = _levels = _vision_rope = _split = _join = _norm = _prompt_norm = _rope = _set_threads = None
+_attend = _dequantize = _levels = _vision_rope = _split = _join = _norm = _prompt_norm = _rope = _prompt_rope = None
+_set_threads = None
 _max_threads = 1
 
 
@@ -384,8 +403,8 @@ def warm(cache_dir: str) -> bool:
     """Import numba and compile the kernels (or load them from numba's cache in cache_dir/numba, unless
     NUMBA_CACHE_DIR says where), then set ready; False, with one log line, where numba cannot be imported or compile
     (torch's ops go on serving)."""
-    global prange, _attend, _dequantize, _levels, _vision_rope, _split, _join, _norm, _prompt_norm, _rope, _set_threads
-    global _max_threads
+    global prange, _attend, _dequantize, _levels, _vision_rope, _split, _join, _norm, _prompt_norm, _rope, _prompt_rope
+    global _set_threads, _max_threads
     with _warming:
         if _attend is None:
             start = time.perf_counter()
@@ -400,8 +419,9 @@ def warm(cache_dir: str) -> bool:
                 kernels = attend(_attend_kernel), *map(numba.njit(nogil=True, cache=True),
                                                        (_split_kernel, _join_kernel, _norm_kernel, _rope_kernel))
                 # A prompt's: exact, and over every core (each row, or position, on its own).
-                dequantize, vision_rope, prompt_norm = map(numba.njit(parallel=True, nogil=True, cache=True),
-                                                           (_dequantize_kernel, _vision_rope_kernel, _prompt_norm_kernel))
+                dequantize, vision_rope, prompt_norm, prompt_rope = map(
+                    numba.njit(parallel=True, nogil=True, cache=True),
+                    (_dequantize_kernel, _vision_rope_kernel, _prompt_norm_kernel, _prompt_rope_kernel))
                 # contract: x / peak * inverse + 128 in one rounding, as torch's (fbgemm's) quantization does it.
                 in_levels = numba.njit(parallel=True, nogil=True, cache=True,
                                        fastmath={"contract", "nnan", "ninf", "nsz"})(_levels_kernel)
@@ -421,12 +441,13 @@ def warm(cache_dir: str) -> bool:
                 kernels[2](rows[:2], levels, rows[0], np.zeros((1, 2), np.float32))
                 kernels[3](rows, rows[0], 1e-6, rows.copy())
                 prompt_norm(rows, rows[0], 1e-6, rows.copy())
+                prompt_rope(np.ones((1, 3, 2), np.float32), rows, 1e-6, rows, rows, 1, 1, q.copy(), q.copy())
             except Exception as e:  # no numba wheel for this platform, or a compile failure
                 log.warning("the numba decode kernels are unavailable (%s: %s); decoding with torch's ops",
                             type(e).__name__, e)
                 return False
             (_attend, _split, _join, _norm, _rope), _dequantize = kernels, dequantize
-            _levels, _vision_rope, _prompt_norm = in_levels, vision_rope, prompt_norm
+            _levels, _vision_rope, _prompt_norm, _prompt_rope = in_levels, vision_rope, prompt_norm, prompt_rope
             log.info("the numba decode kernels are ready (%.1f s; cached in %s)", time.perf_counter() - start,
                      numba.config.CACHE_DIR)
         ready.set()
@@ -491,6 +512,21 @@ def vision_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tupl
         _vision_rope(_array(qkv.contiguous()), cos.float().contiguous().numpy(), sin.float().contiguous().numpy(),
                      *(_array(t[0]) for t in (q, k, v)))
     return q, k, v
+
+
+def prompt_rope(qkv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                heads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """_prompt_rope_kernel: a prompt's q and k (1 x heads x positions x dim each) from its q/k/v linear's output (1 x
+    positions x q, k and v heads of heads[i] each, float32), weight as rope() takes it, cos and sin transformers' (1 x
+    positions x dim): its norms, transposes and ~8 rotation ops a layer took ~50 ms of the 2B's first token."""
+    positions, dim = qkv.shape[1], cos.shape[-1]
+    q, k = torch.empty(1, heads[0], positions, dim), torch.empty(1, heads[1], positions, dim)
+    with _launch:
+        _engine_threads()
+        _prompt_rope(qkv.contiguous().view(positions, -1, dim).numpy(), weight.detach().view(-1, dim).numpy(), eps,
+                     cos.reshape(positions, dim).contiguous().numpy(), sin.reshape(positions, dim).contiguous().numpy(),
+                     heads[0], heads[1], q[0].numpy(), k[0].numpy())
+    return q, k
 
 
 def in_two_parts(rows: torch.Tensor, linear, scale: torch.Tensor, uint8: bool) -> torch.Tensor:

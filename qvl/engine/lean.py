@@ -61,8 +61,12 @@ class Attention(nn.Module):
         self.prompt_dtype = self.cache_dtype = None
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        q, k, v = self.qkv_proj(x).view(*x.shape[:-1], -1, self.head_dim).split(self.heads, -2)
-        q, k = apply_rotary_pos_emb(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), cos, sin)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.view(*x.shape[:-1], -1, self.head_dim).split(self.heads, -2)
+        if jit.ready.is_set() and len(x) == 1 and qkv.dtype == cos.dtype == torch.float32:
+            q, k = jit.prompt_rope(qkv, self.qk_weight(), self.q_norm.variance_epsilon, cos, sin, self.heads)
+        else:
+            q, k = apply_rotary_pos_emb(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), cos, sin)
         return q, k, v.transpose(1, 2)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
