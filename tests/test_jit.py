@@ -1,6 +1,7 @@
 """The numba decode kernels (qvl.engine.jit): compiled in the background once the engine serves, unless --no-jit, and
 never a reason for an engine not to serve. That they compute what torch's ops compute is in test_lean and
 test_quant (the kernels fixture)."""
+import itertools
 import json
 
 import pytest
@@ -87,14 +88,15 @@ def test_where_numbas_target_lacks_avx512_vnni_vnnis_kernel_is_not_compiled_and_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_decode_attention_reads_rows_of_any_length_16_lanes_at_a_time_and_the_rest_one_by_one(engine, dtype):
-    """head_dim 16 (the tiny model's) and 128 (the 2B's) fill whole lanes; 40 and 7 leave a tail: each is softmax
+def test_the_decode_attention_takes_rows_of_any_length_and_any_number_of_queries_per_key_head(engine, dtype):
+    """head_dim 16 (the tiny model's) and 128 (the 2B's) fill whole lanes, 80 a 64-value stretch and a 16-value one, 40
+    and 7 leave a tail; query heads go in pairs, so 1 and 3 per key head leave one to pair with itself: each is softmax
     attention over the first n cached positions, as computed in float64."""
     engine.settled.wait()
     assert jit.warm(engine.settings.cache_dir)
     generator = torch.Generator().manual_seed(0)
-    for dim in (16, 128, 40, 7):
-        q = torch.randn(3, 2, dim, generator=generator)
+    for dim, group in itertools.product((16, 128, 80, 40, 7), (1, 2, 3)):
+        q = torch.randn(3, group, dim, generator=generator)
         keys, values = (torch.randn(3, 50, dim, generator=generator).to(dtype) for _ in range(2))
         weights = (torch.einsum("hgd,hpd->hgp", q.double(), keys[:, :37].double()) * 0.3).softmax(-1)
         expected = torch.einsum("hgp,hpd->hgd", weights, values[:, :37].double())

@@ -48,8 +48,15 @@ def dot(row, q):
     a time (_register's intrinsics)."""
 
 
-def add_scaled(w, row, out):
-    """In a kernel: out += w * row, row a cache row as dot reads it, 16 lanes at a time."""
+def dot_pair(row, q0, q1):
+    """In a kernel: (dot(row, q0), dot(row, q1)), the same sums, reading row once."""
+
+
+def weighted_pair(w0, w1, rows, n, out0, out1):
+    """In a kernel: out0 = w0[:n] @ rows[:n], out1 = w1[:n] @ rows[:n] (rows: cache rows as dot reads them, one a
+    position), each value's products added position by position; each 64-value stretch of the outputs summed in
+    registers over every position (an output read back and written each position took 2.6x as long), the rows asked
+    for AHEAD positions before they are read."""
 
 
 def prefetch(row):
@@ -62,15 +69,19 @@ AHEAD = 8  # positions: the cache rows a core asks for before it reads them
 def _attend_kernel(q, keys, values, n, scale, out):
     """out[h, g] = softmax(keys[h, :n] @ q[h, g] * scale) @ values[h, :n]; q, out: (kv heads, queries each, head_dim).
     A decode step finds the cache in memory, not in the core's caches: each row is asked for AHEAD positions before it
-    is read, and read 16 lanes at a time (dot, add_scaled). The 2B's 28 layers over 1000 cached positions, each layer's
-    cache read after 54 MB of other data, took 8.7 ms against 12.4 without both, on an AMX Xeon."""
+    is read, and read 16 lanes at a time, once for two query heads (dot_pair, weighted_pair). The 2B's 28 layers over
+    1000 cached positions, each layer's cache read after 54 MB of other data, took 8.7 ms against 12.4 without the
+    lanes and the prefetch, on an AMX Xeon; over 404, 4.1-4.4 ms against 4.4-4.8 with each query head's row read on its
+    own and each output summed in memory (1.9 against 2.4-2.8 where the cache was in the core's caches)."""
     heads, group, _ = q.shape
     for h in prange(heads):
         weights = np.empty((group, n), np.float32)
         for p in range(n):
             prefetch(keys[h, min(p + AHEAD, n - 1)])
-            for g in range(group):
-                weights[g, p] = dot(keys[h, p], q[h, g]) * scale
+            for g in range(0, group, 2):  # query heads in pairs, an odd one paired with itself
+                other = min(g + 1, group - 1)
+                first, second = dot_pair(keys[h, p], q[h, g], q[h, other])
+                weights[g, p], weights[other, p] = first * scale, second * scale
         for g in range(group):
             top = weights[g].max()
             total = np.float32(0)
@@ -79,11 +90,9 @@ def _attend_kernel(q, keys, values, n, scale, out):
                 weights[g, p] = e
                 total += e
             weights[g] /= total
-        out[h] = 0
-        for p in range(n):
-            prefetch(values[h, min(p + AHEAD, n - 1)])
-            for g in range(group):
-                add_scaled(weights[g, p], values[h, p], out[h, g])
+        for g in range(0, group, 2):
+            other = min(g + 1, group - 1)
+            weighted_pair(weights[g], weights[other], values[h], n, out[h, g], out[h, other])
 
 
 def _dequantize_kernel(values, scale, out):
@@ -219,7 +228,7 @@ def _prompt_rope_kernel(qkv, weight, eps, cos, sin, q_heads, kv_heads, q, k):
 def _register(numba):
     """widen's and store's bodies for numba, by the element type (bf16 travels as its uint16 bits). Inlined: as calls
     they kept the loops around them from vectorizing (a tower's weight conversions took twice as long). And rms_norm's,
-    peak's, and dot's, add_scaled's and prefetch's (_rows)."""
+    peak's, and dot's, dot_pair's, weighted_pair's and prefetch's (_rows)."""
     from numba.extending import overload
     _rows(numba)
 
@@ -271,9 +280,9 @@ def _register(numba):
 
 
 def _rows(numba):
-    """dot, add_scaled and prefetch as numba intrinsics in LLVM's own vectors of 16 float32 lanes, which every target
-    has (one AVX-512 register, two AVX2, four NEON): numba's own loops over a row vectorized it 8 lanes at a time at
-    best, around scalar work."""
+    """dot, dot_pair, weighted_pair and prefetch as numba intrinsics in LLVM's own vectors of 16 float32 lanes, which
+    every target has (one AVX-512 register, two AVX2, four NEON): numba's own loops over a row vectorized it 8 lanes at
+    a time at best, around scalar work."""
     from llvmlite import ir
     from numba.core import cgutils
     from numba.core.errors import TypingError
@@ -310,6 +319,21 @@ def _rows(numba):
         return builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3), name),
                             [a, b, c])
 
+    def spread(builder, value, kind):
+        """value in every lane of kind (or itself, for one)."""
+        if kind != lanes:
+            return value
+        first = builder.insert_element(ir.Constant(lanes, None), value, ir.Constant(i32, 0))
+        return builder.shuffle_vector(first, ir.Constant(lanes, None), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+
+    def ask_for(builder, data, size):
+        """Have the core start reading size bytes from data, a cache line at a time."""
+        start = builder.bitcast(data, i8.as_pointer())
+        read = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), size, ir.Constant(i64, 64)) as (at, _):
+            builder.call(read, [builder.gep(start, [at]), *(ir.Constant(i32, c) for c in (0, 3, 1))])
+
     def over(builder, n, body):
         """body(at, kind) over 0..n: 16 lanes at a time, then one at a time."""
         whole = builder.and_(n, ir.Constant(i64, -16))
@@ -318,48 +342,88 @@ def _rows(numba):
         with cgutils.for_range_slice(builder, whole, n, ir.Constant(i64, 1)) as (at, _):
             body(at, f32)
 
+    def sums(context, builder, sig, args):
+        """The dot products of a row (args[0]) with each of the rows after it, as dot computes one."""
+        (data, n), *qs = (row_of(context, builder, t, v) for t, v in zip(sig.args, args))
+        totals = [{kind: cgutils.alloca_once_value(builder, ir.Constant(kind, [0.0] * 16 if kind == lanes else 0.0))
+                   for kind in (lanes, f32)} for _ in qs]
+
+        def body(at, kind):
+            x = load(builder, sig.args[0], data, at, kind)
+            for (q_data, _), total, ty in zip(qs, totals, sig.args[1:]):
+                builder.store(fma(builder, x, load(builder, ty, q_data, at, kind), builder.load(total[kind])),
+                              total[kind])
+        over(builder, n, body)
+        out = []
+        for total in totals:
+            vector, width = builder.load(total[lanes]), 16
+            while width > 1:  # halves added in turn
+                width //= 2
+                vector = builder.fadd(*(builder.shuffle_vector(vector, vector, ir.Constant(
+                    ir.VectorType(i32, width), list(range(k, k + width)))) for k in (0, width)))
+            out.append(builder.fadd(builder.extract_element(vector, ir.Constant(i32, 0)), builder.load(total[f32])))
+        return out
+
     @intrinsic
     def dot_rows(typingctx, row, q):
         rows(row, q)
-
-        def codegen(context, builder, sig, args):
-            (data, n), (q_data, _) = (row_of(context, builder, t, v) for t, v in zip(sig.args, args))
-            sums = {kind: cgutils.alloca_once_value(builder, ir.Constant(kind, [0.0] * 16 if kind == lanes else 0.0))
-                    for kind in (lanes, f32)}
-
-            def body(at, kind):
-                product = fma(builder, load(builder, sig.args[0], data, at, kind),
-                              load(builder, sig.args[1], q_data, at, kind), builder.load(sums[kind]))
-                builder.store(product, sums[kind])
-            over(builder, n, body)
-            total, width = builder.load(sums[lanes]), 16
-            while width > 1:  # halves added in turn
-                width //= 2
-                total = builder.fadd(*(builder.shuffle_vector(total, total, ir.Constant(ir.VectorType(i32, width),
-                                                                                        list(range(k, k + width))))
-                                       for k in (0, width)))
-            return builder.fadd(builder.extract_element(total, ir.Constant(i32, 0)), builder.load(sums[f32]))
-        return numba.types.float32(row, q), codegen
+        return numba.types.float32(row, q), lambda context, builder, sig, args: sums(context, builder, sig, args)[0]
 
     @intrinsic
-    def add_scaled_rows(typingctx, w, row, out):
-        rows(row, out)
+    def dot_pair_rows(typingctx, row, q0, q1):
+        rows(row, q0, q1)
+        pair = numba.types.UniTuple(numba.types.float32, 2)
 
         def codegen(context, builder, sig, args):
-            (data, n), (out_data, _) = (row_of(context, builder, t, v) for t, v in zip(sig.args[1:], args[1:]))
-            weight = context.cast(builder, args[0], sig.args[0], numba.types.float32)
-            first = builder.insert_element(ir.Constant(lanes, None), weight, ir.Constant(i32, 0))
-            spread = builder.shuffle_vector(first, ir.Constant(lanes, None),
-                                            ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+            return context.make_tuple(builder, pair, sums(context, builder, sig, args))
+        return pair(row, q0, q1), codegen
 
-            def body(at, kind):
-                target = builder.bitcast(builder.gep(out_data, [at]), kind.as_pointer())
-                product = fma(builder, spread if kind == lanes else weight, load(builder, sig.args[1], data, at, kind),
-                              builder.load(target, align=4))
-                builder.store(product, target, align=4)
-            over(builder, n, body)
+    @intrinsic
+    def weighted_pair_rows(typingctx, w0, w1, table, n, out0, out1):
+        rows(w0, w1, out0, out1)
+        if not (isinstance(table, numba.types.Array) and table.ndim == 2 and table.layout == "C"
+                and table.dtype in (numba.types.float32, numba.types.uint16)):
+            raise TypingError(f"contiguous rows of float32 or bf16 bits, not {table}")
+
+        def codegen(context, builder, sig, args):
+            w0, w1, out0, out1 = (row_of(context, builder, sig.args[i], args[i])[0] for i in (0, 1, 4, 5))
+            array = context.make_array(sig.args[2])(context, builder, args[2])
+            data, width, n = array.data, builder.extract_value(array.shape, 1), args[3]
+            row_bytes = builder.mul(width, ir.Constant(i64, sig.args[2].dtype.bitwidth // 8))
+            last = builder.sub(n, ir.Constant(i64, 1))
+
+            def stretches(start, stop, vectors, kind, ask):
+                """Each stretch of vectors x kind over start..stop, summed over the n positions in registers; ask:
+                the stretch at 0 asks for each whole row AHEAD positions on."""
+                step = ir.Constant(i64, 16 * vectors if kind == lanes else 1)
+                with cgutils.for_range_slice(builder, start, stop, step) as (at, _):
+                    totals = [[cgutils.alloca_once_value(builder, ir.Constant(kind, [0.0] * 16 if kind == lanes
+                                                                               else 0.0))
+                               for _ in range(vectors)] for _ in range(2)]
+                    with cgutils.for_range(builder, n) as loop:
+                        p = loop.index
+                        if ask:
+                            with builder.if_then(builder.icmp_unsigned("==", at, ir.Constant(i64, 0))):
+                                ahead = builder.add(p, ir.Constant(i64, AHEAD))
+                                ahead = builder.select(builder.icmp_signed("<", ahead, last), ahead, last)
+                                ask_for(builder, builder.gep(data, [builder.mul(ahead, width)]), row_bytes)
+                        weights = [spread(builder, builder.load(builder.gep(w, [p])), kind) for w in (w0, w1)]
+                        base = builder.add(builder.mul(p, width), at)
+                        for v in range(vectors):
+                            x = load(builder, sig.args[2], data, builder.add(base, ir.Constant(i64, 16 * v)), kind)
+                            for weight, total in zip(weights, totals):
+                                builder.store(fma(builder, weight, x, builder.load(total[v])), total[v])
+                    for out, total in zip((out0, out1), totals):
+                        for v in range(vectors):
+                            target = builder.gep(out, [builder.add(at, ir.Constant(i64, 16 * v))])
+                            builder.store(builder.load(total[v]), builder.bitcast(target, kind.as_pointer()), align=4)
+
+            wide, whole = (builder.and_(width, ir.Constant(i64, -size)) for size in (64, 16))
+            stretches(ir.Constant(i64, 0), wide, 4, lanes, True)
+            stretches(wide, whole, 1, lanes, False)
+            stretches(whole, width, 1, f32, False)
             return context.get_dummy_value()
-        return numba.types.void(w, row, out), codegen
+        return numba.types.void(w0, w1, table, n, out0, out1), codegen
 
     @intrinsic
     def prefetch_row(typingctx, row):
@@ -367,12 +431,7 @@ def _rows(numba):
 
         def codegen(context, builder, sig, args):
             data, n = row_of(context, builder, sig.args[0], args[0])
-            start = builder.bitcast(data, i8.as_pointer())
-            size = builder.mul(n, ir.Constant(i64, sig.args[0].dtype.bitwidth // 8))
-            read = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
-            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), size, ir.Constant(i64, 64)) as (at, _):
-                builder.call(read, [builder.gep(start, [at]), *(ir.Constant(i32, c) for c in (0, 3, 1))])
+            ask_for(builder, data, builder.mul(n, ir.Constant(i64, sig.args[0].dtype.bitwidth // 8)))
             return context.get_dummy_value()
         return numba.types.void(row), codegen
 
@@ -380,9 +439,13 @@ def _rows(numba):
     def _dot(row, q):
         return lambda row, q: dot_rows(row, q)
 
-    @overload(add_scaled, inline="always")
-    def _add_scaled(w, row, out):
-        return lambda w, row, out: add_scaled_rows(w, row, out)
+    @overload(dot_pair, inline="always")
+    def _dot_pair(row, q0, q1):
+        return lambda row, q0, q1: dot_pair_rows(row, q0, q1)
+
+    @overload(weighted_pair, inline="always")
+    def _weighted_pair(w0, w1, rows, n, out0, out1):
+        return lambda w0, w1, rows, n, out0, out1: weighted_pair_rows(w0, w1, rows, n, out0, out1)
 
     @overload(prefetch, inline="always")
     def _prefetch(row):
