@@ -224,6 +224,24 @@ def test_a_stream_closed_early_leaves_only_the_tokens_fed_back(engine, prompt):
     assert len(taken) == 5 and cache.get_seq_length() == prompt["input_ids"].shape[1] + 4
 
 
+def test_the_first_token_does_not_wait_for_the_decoder_and_a_one_token_answer_still_keeps_its_prompt(
+        engine, prompt, monkeypatch):
+    made, init = [], lean.Decoder.__init__
+    monkeypatch.setattr(lean.Decoder, "__init__", lambda self, *args: made.append(1) or init(self, *args))
+    length = prompt["input_ids"].shape[1]
+    cache = DynamicCache(config=engine.model.config)
+    params = settings.GenParams(greedy=True, max_new_tokens=3, min_new_tokens=3)
+    tokens = generate.stream(engine.model, dict(prompt, cache=cache), params, threading.Event())
+    next(tokens)
+    assert made == []  # prefilled and picked: the cache is moved into the answer's buffers for the first step
+    assert len(list(tokens)) == 2 and made == [1] and cache.get_seq_length() == length + 2
+    cache = DynamicCache(config=engine.model.config)
+    params = settings.GenParams(greedy=True, max_new_tokens=1)
+    assert len(list(generate.stream(engine.model, dict(prompt, cache=cache), params, threading.Event()))) == 1
+    assert made == [1, 1] and cache.get_seq_length() == length
+    assert cache.layers[0].keys.untyped_storage().nbytes() == kv.nbytes(cache)  # kept in pages of its own, no room
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4", "w8a16", "w8a14"])
 def test_fused_quantized_linears_are_exactly_the_separate_ones(kind):
     """Weights are quantized row by row and the input once, so fusing changes no output bit."""

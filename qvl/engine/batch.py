@@ -145,7 +145,7 @@ class Scheduler:
                 seat.gone.set()
                 self._changed.notify_all()  # a scheduler waiting for prefills lets it go meanwhile
             seat.left.wait()
-            answer.decoder.close(keep_answer, max(0, taken - 1))
+            answer.close(keep_answer, max(0, taken - 1))
 
     def close(self):
         """End the thread once the answers in it are over (at exit: it must not be cut off inside torch)."""
