@@ -47,6 +47,18 @@ def test_features_are_kept_in_memory_too(memoryless):
     assert ask(engine, OTHER).stats.cached_images == 1 and calls == []
 
 
+def test_the_first_token_does_not_wait_for_the_store_which_has_the_features_once_the_answer_is_done(memoryless,
+                                                                                                       monkeypatch):
+    engine, events = memoryless(), []
+    put = engine.features.put
+    monkeypatch.setattr(engine.features, "put", lambda key, value: events.append("put") or put(key, value))
+    for piece in engine.chat(QUESTION):
+        events.append("piece")
+    assert events.count("put") == 1 and 0 < events.index("put") < len(events) - 1  # after the first token, before Stats
+    calls = tower(engine)
+    assert ask(engine, OTHER).stats.cached_images == 1 and calls == []
+
+
 def test_features_kept_in_memory_are_one_block_of_their_own_outside_the_heap(memoryless, monkeypatch):
     """heap.mapped: kept through many requests, in the heap an image's features would pin the memory that those
     requests' tensors free around them. As the tower computes them and as read back from disk."""
