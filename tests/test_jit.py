@@ -89,7 +89,7 @@ def test_where_numbas_target_lacks_avx512_vnni_vnnis_kernel_is_not_compiled_and_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_decode_attention_takes_rows_of_any_length_and_any_number_of_queries_per_key_head(engine, dtype):
-    """head_dim 16 (the tiny model's) and 128 (the 2B's) fill whole lanes, 80 a 64-value stretch and a 16-value one, 40
+    """head_dim 16 (the tiny model's) and 128 (the 2B's) fill whole lanes, 80 two 32-value stretches and 16 more, 40
     and 7 leave a tail; query heads go in pairs, so 1 and 3 per key head leave one to pair with itself: each is softmax
     attention over the first n cached positions, as computed in float64."""
     engine.settled.wait()
