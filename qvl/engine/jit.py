@@ -384,6 +384,8 @@ def _rows(numba):
     @intrinsic
     def weighted_pair_rows(typingctx, w0, w1, table, n, out0, out1):
         rows(w0, w1, out0, out1)
+        if any(ty.dtype != numba.types.float32 for ty in (w0, w1, out0, out1)):
+            raise TypingError("float32 weights and outputs")
         if not (isinstance(table, numba.types.Array) and table.ndim == 2 and table.layout == "C"
                 and table.dtype in (numba.types.float32, numba.types.uint16)):
             raise TypingError(f"contiguous rows of float32 or bf16 bits, not {table}")
