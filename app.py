@@ -16,8 +16,8 @@ def main():
     config = settings.parse()
     with own_temp_dir():  # before gradio is imported: it reads GRADIO_TEMP_DIR then
         stopped = run(config)
-    if not stopped:  # Ctrl+C or SIGTERM while the weights load: nothing to save, and no point to stop the load at
-        log.info("exiting while the model loads")
+    if not stopped:  # Ctrl+C or SIGTERM while the weights load or numba compiles: nothing to save, no point to stop at
+        log.info("exiting while the model loads or the kernels compile")
         logging.shutdown()
         os._exit(0)
 

@@ -292,7 +292,7 @@ def test_an_app_stopped_while_its_weights_load_exits_at_once_and_cleanly(tiny_di
     child = python_child(STOPPED_WHILE_LOADING, tiny_dir, tmp_path, stress.free_port())
     assert "page served, API while loading: 503" in child.stdout, child.stderr[-3000:]
     assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-3000:]
-    assert "exiting while the model loads" in child.stderr and time.monotonic() - started < 90
+    assert "exiting while the model loads or the kernels compile" in child.stderr and time.monotonic() - started < 90
 
 
 START_TUNING = """

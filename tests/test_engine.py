@@ -10,7 +10,7 @@ from PIL import Image
 
 from qvl import images, settings
 from qvl.conversation import InputError, Stats, Turn
-from qvl.engine import modelcache
+from qvl.engine import jit, local, modelcache
 from qvl.engine.local import Engine, ModelUnavailable
 
 GREEDY = settings.GenParams(greedy=True, max_new_tokens=24, min_new_tokens=24)
@@ -204,6 +204,20 @@ def test_an_exit_while_warming_up_waits_for_the_step_in_flight_instead_of_aborti
     child = python_child(EXIT_WHILE_WARMING, tiny_dir, tmp_path)
     assert "warming at exit: True" in child.stdout, child.stderr[-2000:]
     assert child.returncode == 0 and "terminate called" not in child.stderr, child.stderr[-2000:]
+
+
+def test_an_exit_while_numba_compiles_asks_for_an_immediate_exit_instead_of_waiting_for_it(tiny_dir, tmp_path,
+                                                                                          monkeypatch):
+    # A first start's compile takes ~40 s on 2 cores and has no point to stop at: close() says so within its wait.
+    compiling, done = threading.Event(), threading.Event()
+    monkeypatch.setattr(jit, "warm", lambda cache_dir: compiling.set() or done.wait(60) and False)
+    monkeypatch.setattr(local, "EXIT_WAIT_S", 0.5)
+    engine = Engine(settings.parse(["--model", str(tiny_dir), "--quant", "fp32", "--no-cache", "--cache-dir",
+                                    str(tmp_path)], env={}))
+    assert compiling.wait(60)
+    began = time.monotonic()
+    assert engine.close() is False and time.monotonic() - began < 3
+    done.set()
 
 
 def broken_copy(tiny_dir, folder):

@@ -38,6 +38,8 @@ TRIM_IDLE_S = 60.0
 # soak of the 2B with four seats that held it flat instead of growing 0.6 GB, at ~19 ms a trim, one every ~6 requests
 # (docs/memory-and-caches.md, "Memory over time").
 HELD_MAX = 256 << 20
+# At exit, how long close() waits for a background thread to reach a point it stops at before asking for os._exit.
+EXIT_WAIT_S = 5.0
 
 
 def _local_copy(source: str) -> str:
@@ -317,18 +319,21 @@ class Engine:
         an active exception", exit code 134). Answers in flight need nothing: they run in executor threads, which
         Python lets finish their step before it finalizes.
 
-        False when a background load is still running after a few seconds (converting, or reading fp32 weights, has
-        no point to stop at): only ending the process at once (os._exit) then exits cleanly."""
+        False when a background load, or numba's first compile of the kernels (~40 s on 2 cores), is still running
+        after a few seconds (converting, reading fp32 weights and compiling have no point to stop at): only ending the
+        process at once (os._exit) then exits cleanly."""
         self._exiting.set()
         self._stop.set()
         if self._loader is not None and self._loader.is_alive():
             if self._ahead is not None:
                 self._ahead.close()  # the load taking from it stops at its next linear
-            self._loader.join(timeout=5)
+            self._loader.join(timeout=EXIT_WAIT_S)
             if self._loader.is_alive():
                 return False
         if self._settler is not None and self._settler.is_alive():
-            self._settler.join()
+            self._settler.join(timeout=EXIT_WAIT_S)  # keeping and repacking stop at their next tensor
+            if self._settler.is_alive():
+                return False
         with self._warming:
             pass
         if self.scheduler is not None:
