@@ -193,12 +193,7 @@ def _rope_kernel(qkv, weight, cos, sin, eps, q_heads, kv_heads, keys, values, n,
     half = dim // 2
     y, rotated = np.empty(dim, np.float32), np.empty(dim, np.float32)
     for h in range(q_heads + kv_heads):
-        total = np.float32(0)
-        for i in range(dim):
-            total += qkv[h, i] * qkv[h, i]
-        inv = np.float32(1 / math.sqrt(total / dim + eps))
-        for i in range(dim):
-            y[i] = qkv[h, i] * inv * weight[h, i]
+        rms_norm(qkv[h], weight[h], eps, y)
         out = q[h] if h < q_heads else rotated
         for i in range(dim):
             out[i] = y[i] * cos[i] + y[(i + half) % dim] * sin[i]
