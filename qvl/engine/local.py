@@ -624,8 +624,9 @@ class Engine:
     def _keep_features(self, computed: list):
         """Put what the vision tower computed in the feature store: after the answer, since a copy in pages of its
         own and the disk's write took ~14 ms of the 2B's first token."""
-        for key, features in computed if self.features is not None else ():
-            self.features.put(key, features)
+        if self.features is not None:
+            for key, features in computed:
+                self.features.put(key, features)
 
     def _inputs(self, turns: list[Turn], params: GenParams) -> tuple[dict, int]:
         """Tokenize the conversation and preprocess its images, refusing an oversized one before pixel work."""
