@@ -6,7 +6,7 @@ import pytest
 
 from qvl import settings
 from qvl.conversation import Turn
-from qvl.engine import heap, local
+from qvl.engine import heap, local, quant
 
 pytestmark = pytest.mark.skipif(heap._LIBC is None, reason="glibc's heap only (macOS and musl have other allocators)")
 
@@ -182,4 +182,75 @@ def test_a_busy_server_trims_at_an_answers_end_once_it_has_grown_held_max_since_
     assert here not in trims
     list(engine.chat([Turn("user", "And then?")], params))
     assert trims.count(here) == 1 and engine._trimmed_at == base + local.HELD_MAX // 4
+    engine.close()
+
+
+HUGE_PAGES = """
+import ctypes, json, mmap, zlib, torch
+from qvl.engine import heap
+
+def huge_kb(address):  # AnonHugePages of the mapping that holds address
+    inside = False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "AnonHugePages:":
+            return int(fields[1])
+
+def resident_pages(address, size):
+    pages = (ctypes.c_ubyte * (size // mmap.PAGESIZE))()
+    assert heap._LIBC.mincore(address, size, pages) == 0
+    return sum(b & 1 for b in pages)
+
+probe = torch.ones(4 << 20, dtype=torch.uint8)
+if not heap.huge_pages(probe.data_ptr(), probe.nbytes):
+    print(json.dumps(None))  # no huge pages to move to here
+    raise SystemExit
+block = heap.mapped((16 << 20,), torch.uint8)
+block[:8 << 20] = torch.arange(8 << 20) % 251  # a weight: written, then read
+block[8 << 20::1 << 20] = 1  # a page a megabyte: a thread's stack, a KV buffer's room
+address, crc = block.data_ptr(), zlib.crc32(block[:8 << 20].numpy())
+stopped = heap.huge_pages_for_resident(lambda: False)
+before = huge_kb(address)
+moved = heap.huge_pages_for_resident()
+print(json.dumps({"stopped": stopped, "before": before, "moved": moved, "after": huge_kb(address),
+                  "same": zlib.crc32(block[:8 << 20].numpy()) == crc, "written": resident_pages(address, 8 << 20),
+                  "sparse": resident_pages(address + (8 << 20), 8 << 20), "page": mmap.PAGESIZE}))
+"""
+
+
+def test_resident_memory_moves_to_huge_pages_unchanged_and_untouched_memory_stays_unallocated(python_child):
+    """heap.huge_pages_for_resident, which the engine calls once its weights are in: a block of 16 MB with its first 8
+    written (a weight) has the whole huge pages of its written half moved, its values unchanged, and its other half,
+    a page written a megabyte, still those 8 pages in memory (a huge page there would add 2 MB each); a go_on that
+    says stop moves nothing."""
+    child = python_child(HUGE_PAGES)
+    assert child.returncode == 0, child.stderr[-2000:]
+    found = json.loads(child.stdout)
+    if found is None:
+        pytest.skip("this kernel cannot move memory to huge pages (Linux 6.1+ with transparent huge pages on)")
+    spans = (8 << 20) // heap.HUGE - 1  # the whole huge pages inside 8 MB, wherever the block starts
+    assert found["stopped"] == 0 and found["before"] == 0, found
+    assert found["moved"] >= spans * heap.HUGE and found["after"] >= spans * heap.HUGE >> 10, found
+    assert found["same"] and found["written"] == (8 << 20) // found["page"] and found["sparse"] == 8, found
+
+
+def test_the_engine_moves_its_weights_to_huge_pages_once_they_are_in_and_before_it_has_settled(tiny_dir, tmp_path,
+                                                                                              monkeypatch):
+    """In the start's background work, after the int8 linears are repacked into the pieces they keep (what is
+    resident then is the model as it serves), stopping for a request (the engine's idle test is its go_on)."""
+    calls, move = [], heap.huge_pages_for_resident
+
+    def spy(go_on):
+        calls.append((engine.settled.is_set(), go_on == engine._idle, all(linear.merged == len(linear.parts)
+                      for linear in engine.model.modules() if isinstance(linear, quant.Int8Linear))))
+        return move(go_on)
+
+    monkeypatch.setattr(heap, "huge_pages_for_resident", spy)
+    engine = local.Engine(settings.parse(["--model", str(tiny_dir), "--quant", "w8a14", "--no-cache", "--cache-dir",
+                                          str(tmp_path)], env={}))
+    assert engine.settled.wait(120)
+    assert calls == [(False, True, True)]
     engine.close()

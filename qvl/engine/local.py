@@ -272,8 +272,8 @@ class Engine:
         """In the background, at a low priority and never while a request runs, once the model is in: keep the model
         that a first start converted (modelcache.load's keep, a tensor at a time, while its weights are still in pieces,
         which unpack faster too), and repack the int8 linears, which every start packs in pieces (quick to pack, a few
-        calls more per step), into fewer, a run of pieces at a time; then compile the decode step's numba kernels
-        (jit.warm) and set settled.
+        calls more per step), into fewer, a run of pieces at a time; then move the weights to huge pages
+        (heap.huge_pages_for_resident), and compile the decode step's numba kernels (jit.warm) and set settled.
 
         The kernels come last, after the start's other work (on the app's, its page and warm-up), and in this thread,
         which keeps its priority: numba's thread pool starts with them, and its threads keep the priority of the
@@ -288,6 +288,9 @@ class Engine:
                 worker.start()
             for worker in workers:
                 worker.join()
+            if self._idle():  # the weights, now in the pieces they keep
+                log.info("%.1f GB of the model's memory moved to huge pages",
+                         heap.huge_pages_for_resident(self._idle) / 1e9)
 
         linears = iter([m for m in self.model.modules() if isinstance(m, quant.Int8Linear)])
 
