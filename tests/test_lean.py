@@ -324,3 +324,25 @@ def test_the_layers_in_one_vnni_call_decode_as_their_ops_one_by_one_and_no_farth
     assert (fused - separate).abs().max() <= TOLERANCE * separate.abs().max()
     exact = decoded(reference)
     assert (fused - exact).norm() <= 1.01 * (separate - exact).norm()
+
+
+def test_an_answers_rotation_is_made_once_with_the_numbers_each_step_would_make(engine, prompt, monkeypatch):
+    """lean.Decoder's cos and sin tables: at each step, rotary_emb's for the step's position (its place in the cache
+    plus the prompt's M-RoPE delta, all three sections alike), sin's first half negated as Attention.step rotates, bit
+    for bit; and the steps compute no rotation of their own."""
+    position_ids, delta = generate.positions(engine.model, prompt)
+    text = engine.model.model.language_model
+    with torch.inference_mode():
+        out = generate._forward(engine.model, **prompt, position_ids=position_ids)
+        decoder = lean.Decoder(engine.model, out.cache, STEPS, delta)
+        calls, rotary = [], text.rotary_emb.forward
+        monkeypatch.setattr(text.rotary_emb, "forward", lambda *args: calls.append(args) or rotary(*args))
+        for step in range(STEPS):
+            places = torch.full((3, 1, 1), decoder.n + delta)
+            cos, sin = rotary(torch.empty(0), places)
+            half = sin.shape[-1] // 2
+            assert torch.equal(decoder.rotation()[0], cos), step
+            assert torch.equal(decoder.rotation()[1], torch.cat([-sin[..., :half], sin[..., half:]], -1)), step
+            decoder.step(7)
+        assert calls == [] and decoder.n == decoder.prompt + STEPS
+        decoder.close()
