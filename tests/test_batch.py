@@ -13,7 +13,7 @@ import torch
 
 from qvl import settings, texts
 from qvl.conversation import Stats, Turn
-from qvl.engine import batch, generate
+from qvl.engine import batch, generate, lean
 from qvl.engine.local import Engine
 from qvl.serve import answers
 from test_engine import picture
@@ -374,7 +374,7 @@ def test_a_prefill_lends_a_step_before_the_running_answers_wait_would_pass_the_p
     0.85 s it lends them a step at 0.6 s, where one more layer and the step would end at 0.9 (at 0.5 they end at
     0.8: too early to lend); a step twice as long is lent sooner."""
     monkeypatch.setattr(batch, "PAUSE_S", 0.85)
-    scheduler = batch.Scheduler(threading.Lock(), 4)
+    scheduler = batch.Scheduler(threading.Lock(), 4, lambda: 2)
     try:
         scheduler._fed_at, scheduler._step_s = 0.0, 0.2
         waits = [0.1 * i for i in range(1, 10)]
@@ -423,3 +423,24 @@ def test_no_thread_keeps_openmp_workers_once_it_stops_computing(tiny_dir, tmp_pa
     assert not new, f"{len(new)} OpenMP workers kept by threads that no longer compute"
     torch.ones(1000, 1000).mul(2)  # a parallel op here makes a team, which the check would see
     assert native_workers() - before, "the check sees a team's workers"
+
+
+def test_a_thread_count_set_in_another_thread_reaches_the_prefills_and_the_schedulers_steps(tiny_dir, tmp_path,
+                                                                                            monkeypatch):
+    """The scheduler's thread steps every answer and has computed before: it takes the engine's count at each step,
+    as the prefill's thread does (torch keeps a count per thread)."""
+    engine = _engine(tiny_dir, tmp_path, 2)
+    seen, step = [], lean.step
+    hook = engine.model.register_forward_pre_hook(lambda *_: seen.append(("prefill", torch.get_num_threads())))
+    monkeypatch.setattr(lean, "step", lambda *args: seen.append(("step", torch.get_num_threads())) or step(*args))
+    try:
+        for n in (1, 2, 1):
+            setter = threading.Thread(target=engine.set_threads, args=(n,))
+            setter.start()
+            setter.join()
+            seen.clear()
+            list(engine.chat([Turn("user", "Hi")], settings.GenParams(greedy=True, max_new_tokens=4, min_new_tokens=4)))
+            assert seen == [("prefill", n)] + [("step", n)] * 3, (n, seen)
+    finally:
+        hook.remove()
+        engine.close()

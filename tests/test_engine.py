@@ -1,7 +1,9 @@
 """The engine: streaming answers about images, budgets, limits, stop and threads, on the tiny model."""
+import itertools
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -10,7 +12,7 @@ from PIL import Image
 
 from qvl import images, settings
 from qvl.conversation import InputError, Stats, Turn
-from qvl.engine import jit, local, modelcache
+from qvl.engine import jit, lean, local, modelcache
 from qvl.engine.local import Engine, ModelUnavailable
 
 GREEDY = settings.GenParams(greedy=True, max_new_tokens=24, min_new_tokens=24)
@@ -115,6 +117,37 @@ def test_thread_count_changes_reach_the_model_between_requests(engine):
             assert engine.threads == n and seen and set(seen) == {n}
     finally:
         hook.remove()
+        engine.set_threads(engine.settings.threads)
+
+
+def test_a_thread_count_set_in_one_thread_reaches_answers_resumed_in_threads_that_computed_before(engine,
+                                                                                                 monkeypatch):
+    """As a server runs them: the settings tab sets the count in one of its threads, and answers are resumed piece by
+    piece in others, long-lived, that computed earlier answers (torch keeps a count per thread, which such a thread
+    never takes from another's set_num_threads). The prefill and every decode step compute with the count set."""
+    seen, step = [], lean.step
+    hook = engine.model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(lean, "step", lambda *args: seen.append(torch.get_num_threads()) or step(*args))
+    workers = [ThreadPoolExecutor(1), ThreadPoolExecutor(1)]  # a server's: an answer's pieces in turn in each
+
+    def answer():
+        pieces = engine.chat([Turn("user", "Hi")], replace(GREEDY, max_new_tokens=6, min_new_tokens=6))
+        for turn in itertools.cycle(workers):
+            if isinstance(item := turn.submit(next, pieces).result(), Stats):
+                return
+
+    try:
+        for n in (1, 2, 1):
+            setter = threading.Thread(target=engine.set_threads, args=(n,))
+            setter.start()
+            setter.join()
+            seen.clear()
+            answer()
+            assert engine.threads == n and len(seen) == 6 and set(seen) == {n}, (n, seen)
+    finally:
+        hook.remove()
+        for worker in workers:
+            worker.shutdown()
         engine.set_threads(engine.settings.threads)
 
 

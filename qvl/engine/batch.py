@@ -45,8 +45,8 @@ class Scheduler:
     holds too, lending it between layers: interleave()). sizes counts the steps taken at each batch size, seconds
     the time they took, lent the steps a prefill lent the model for."""
 
-    def __init__(self, lock: threading.Lock, seats: int):
-        self.lock, self.seats = lock, seats
+    def __init__(self, lock: threading.Lock, seats: int, threads):
+        self.lock, self.seats, self.threads = lock, seats, threads  # threads(): the count a step computes with
         self.sizes, self.seconds = collections.Counter(), collections.Counter()
         self.lent = 0
         self._waiting: collections.deque[_Seat] = collections.deque()
@@ -196,6 +196,7 @@ class Scheduler:
             if feeding:
                 with self.lock:
                     start = time.perf_counter()
+                    cpu.use_threads(self.threads())
                     logits = lean.step([seat.answer.decoder for seat in feeding], [seat.token for seat in feeding])
                     self._step_s = time.perf_counter() - start
                     self.seconds[len(feeding)] += self._step_s

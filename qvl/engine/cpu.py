@@ -61,6 +61,16 @@ def release_threads():
             _openmp[name].omp_pause_resource_all(1)  # omp_pause_soft; libgomp frees this thread's teams either way
 
 
+def use_threads(n: int):
+    """torch's intra-op thread count, n, for the calling thread: torch keeps one per thread, which a thread that has
+    computed never takes from another thread's set_num_threads, and a server sets it in one thread (the settings
+    tab's) and resumes answers in others."""
+    import torch  # here: app.py reads this module before torch loads
+
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 def background(lower: int = 10):
     """Lower the calling thread's scheduling priority by `lower` (Linux keeps one per thread), so that work that can
     wait (packing weights, repacking them) gives the cores to the work someone waits for (imports and the page while

@@ -132,7 +132,8 @@ class Engine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # With --batch above 1, answers decode together in the scheduler's thread (qvl.engine.batch).
-        self.scheduler = batch.Scheduler(self._lock, settings.batch) if settings.batch > 1 else None
+        self.scheduler = (batch.Scheduler(self._lock, settings.batch, lambda: self._threads) if settings.batch > 1
+                          else None)
         self.loaded, self.ready, self.settled = threading.Event(), threading.Event(), threading.Event()
         self._exiting = threading.Event()
         self._warming = threading.Lock()  # held by warm_up, which close() waits for
@@ -338,7 +339,7 @@ class Engine:
             if self._settler.is_alive():
                 return False
         with self._warming:
-            pass
+            cpu.use_threads(self._threads)
         if self.scheduler is not None:
             self.scheduler.close()
         with self._trimming:
@@ -346,12 +347,24 @@ class Engine:
         return True
 
     def set_threads(self, n: int):
-        """Intra-op threads, applied from the next request on."""
-        torch.set_num_threads(max(1, int(n)))
+        """Intra-op threads, from the next step on: each thread takes the count before it computes (cpu.use_threads)."""
+        self._threads = max(1, int(n))
+        torch.set_num_threads(self._threads)
 
     @property
     def threads(self) -> int:
-        return torch.get_num_threads()
+        return self._threads
+
+    def _with_threads(self, items: Iterator) -> Iterator:
+        """items, each computed with the engine's thread count in whichever thread asks for it (a server resumes an
+        answer in any of its threads)."""
+        while True:
+            cpu.use_threads(self._threads)
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            yield item
 
     def stop(self):
         """Stop the running generation within one decode step."""
@@ -476,6 +489,7 @@ class Engine:
                              (contextlib.nullcontext(), self.scheduler.prefilling()))
         keep_answer, answer, reserved, tokens, computed = self.mode not in quant.PROMPT_TWINS, None, 0, None, []
         cpu.release_threads()  # making the inputs may have computed in parallel; the lock may take a while
+        cpu.use_threads(self._threads)  # for the prefill
         with whole:
             ids, sent, first, failed = [], "", None, False
             opening, thought = THINK + "\n" if self.thinking else "", None  # thought: when THOUGHT came
@@ -497,7 +511,7 @@ class Engine:
                 # This thread computes again only if it steps alone, maybe in another thread (a server resumes a
                 # generator in any of its workers): no thread keeps OpenMP workers while it waits (cpu.release_threads).
                 cpu.release_threads()
-                for token in tokens:
+                for token in self._with_threads(tokens):
                     first = first or time.perf_counter()
                     ids.append(token)
                     text = opening + self.processor.tokenizer.decode(ids, skip_special_tokens=True)
