@@ -339,7 +339,7 @@ class Engine:
             if self._settler.is_alive():
                 return False
         with self._warming:
-            cpu.use_threads(self._threads)
+            pass
         if self.scheduler is not None:
             self.scheduler.close()
         with self._trimming:
