@@ -16,7 +16,7 @@ from qvl.conversation import Stats, Turn
 from qvl.engine import batch, generate, lean
 from qvl.engine.local import Engine
 from qvl.serve import answers
-from test_engine import picture
+from test_engine import picture, set_threads_elsewhere
 from test_openai_api import serving
 
 # fp32: a batch's matmuls take B rows where alone they take one, and may sum in another order.
@@ -435,9 +435,7 @@ def test_a_thread_count_set_in_another_thread_reaches_the_prefills_and_the_sched
     monkeypatch.setattr(lean, "step", lambda *args: seen.append(("step", torch.get_num_threads())) or step(*args))
     try:
         for n in (1, 2, 1):
-            setter = threading.Thread(target=engine.set_threads, args=(n,))
-            setter.start()
-            setter.join()
+            set_threads_elsewhere(engine, n)
             seen.clear()
             list(engine.chat([Turn("user", "Hi")], settings.GenParams(greedy=True, max_new_tokens=4, min_new_tokens=4)))
             assert seen == [("prefill", n)] + [("step", n)] * 3, (n, seen)

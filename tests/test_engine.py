@@ -120,6 +120,13 @@ def test_thread_count_changes_reach_the_model_between_requests(engine):
         engine.set_threads(engine.settings.threads)
 
 
+def set_threads_elsewhere(engine, n: int):
+    """engine.set_threads(n) in a thread of its own, as a server's settings tab calls it."""
+    setter = threading.Thread(target=engine.set_threads, args=(n,))
+    setter.start()
+    setter.join()
+
+
 def test_a_thread_count_set_in_one_thread_reaches_answers_resumed_in_threads_that_computed_before(engine,
                                                                                                  monkeypatch):
     """As a server runs them: the settings tab sets the count in one of its threads, and answers are resumed piece by
@@ -138,9 +145,7 @@ def test_a_thread_count_set_in_one_thread_reaches_answers_resumed_in_threads_tha
 
     try:
         for n in (1, 2, 1):
-            setter = threading.Thread(target=engine.set_threads, args=(n,))
-            setter.start()
-            setter.join()
+            set_threads_elsewhere(engine, n)
             seen.clear()
             answer()
             assert engine.threads == n and len(seen) == 6 and set(seen) == {n}, (n, seen)
