@@ -291,10 +291,11 @@ def test_a_batchs_rows_through_vnnis_kernel_decode_as_through_onednns_call(onedn
 @pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
 def test_the_layers_in_one_vnni_call_decode_as_their_ops_one_by_one_and_no_farther_from_fp32(
         onednn, kernels, tiny_dir, cache, monkeypatch):
-    """Where qvl's kernels read every linear of every layer (w8a14 on oneDNN's weights), one call computes a decode
-    step's layers (vnni.decode): the logits of their ops one at a time within float rounding (silu's exp, the loud
-    channels' sums), over a float32 and a bf16 cache, in a layer with weights in two parts and one without, a linear
-    with loud channels apart, norms of different epsilons; and no farther from fp32's logits."""
+    """Where qvl's kernels read every linear of every layer and the head (w8a14 on oneDNN's weights), one call
+    computes a decode step (vnni.decode: the token's row, the layers, the final norm and the head): the logits of
+    their ops one at a time within float rounding (silu's exp, the loud channels' sums), over a float32 and a bf16
+    cache, in a layer with weights in two parts and one without, a linear with loud channels apart, norms of different
+    epsilons; and no farther from fp32's logits."""
     monkeypatch.setattr(modes, "TWO_PART_LAYERS", 1)  # the tiny model's first layer in two parts, its second not
     model, reference = checkpoint.load_model(str(tiny_dir), "w8a14"), checkpoint.load_model(str(tiny_dir), "fp32")
     layers = model.model.language_model.layers
@@ -306,21 +307,22 @@ def test_the_layers_in_one_vnni_call_decode_as_their_ops_one_by_one_and_no_farth
     lean.set_dtypes(model, cache=cache)
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(0))
     tokens = torch.randint(0, 256, (STEPS,), generator=torch.Generator().manual_seed(1)).tolist()
-    one_by_one = lean._vnni_tables
+    one_by_one = lean._vnni_step
 
     def decoded(m, fused: bool = True) -> torch.Tensor:
-        monkeypatch.setattr(lean, "_vnni_tables", one_by_one if fused else lambda layer: None)
+        monkeypatch.setattr(lean, "_vnni_step", one_by_one if fused else lambda decoder: None)
         with torch.inference_mode():
             decoder = lean.Decoder(m, generate._forward(m, input_ids=ids).cache, STEPS, 0)
             return torch.stack([decoder.step(token) for token in tokens])
 
     kernels[1].clear()
     fused = decoded(model)
-    # Every step's layers in one call, their attention inside it; the head on its own.
-    assert kernels[1].count("decode") == STEPS and "attend" not in kernels[1]
+    # Every step in one call, its attention and head inside it: the prompt's last row alone goes through the head.
+    assert kernels[1].count("decode") == STEPS and "attend" not in kernels[1] and kernels[1].count("linear") == 1
     kernels[1].clear()
     separate = decoded(model, fused=False)
     assert "decode" not in kernels[1] and kernels[1].count("attend") == STEPS * len(layers)
+    assert kernels[1].count("linear") == 1 + STEPS * (4 * len(layers) + 1)
     assert (fused - separate).abs().max() <= TOLERANCE * separate.abs().max()
     exact = decoded(reference)
     assert (fused - exact).norm() <= 1.01 * (separate - exact).norm()

@@ -294,7 +294,7 @@ class Decoder:
         self.cos, self.sin = _rotation(self.text, self.n + delta, room)
         # The pairs are read a layer at a time, so each layer's prefill tensors are freed once moved.
         self.keys, self.values = self._move(((layer.keys, layer.values) for layer in cache.layers), self.n + room)
-        self.vnni_layers = _vnni_layers(self)
+        self.vnni = _vnni_step(self)
 
     def _move(self, pairs, size: int) -> tuple[list, list]:
         """Copy each layer's (keys, values) in pairs, all their positions, into one new block with room for size;
@@ -323,7 +323,7 @@ class Decoder:
             n = (self.n if fed is None else min(self.n, self.prompt + fed)) if keep_decoded else self.prompt
             self._move([(keys[:, :, :n], values[:, :, :n]) for keys, values in zip(self.keys, self.values)], n)
             # The buffers' block is unmapped with its last view: vnni's layers hold views too.
-            self.keys = self.values = self.vnni_layers = None
+            self.keys = self.values = self.vnni = None
 
 
 def _vnni_tables(layer: nn.Module) -> tuple | None:
@@ -336,18 +336,24 @@ def _vnni_tables(layer: nn.Module) -> tuple | None:
     return None if None in tables else tables
 
 
-def _vnni_layers(decoder: Decoder):
-    """What vnni.decode reads of every text decoder layer through decoder's answer, where vnni's kernels read every
-    linear of each: then one call computes a step's layers. None where not."""
+def _vnni_step(decoder: Decoder) -> tuple | None:
+    """What vnni.decode reads through decoder's answer (every text decoder layer, then the token table, final norm
+    and head: vnni.layers' and vnni.ends'), where vnni's kernels read every linear of each layer and the head: then
+    one call computes a step. None where not."""
+    text, head = decoder.text, decoder.model.lm_head
+    if not (isinstance(text.embed_tokens, quant.Bf16Embedding) and isinstance(head, quant.Int8Linear)
+            and head.bias is None and (head_table := head.vnni_table()) is not None):
+        return None
     prepared = []
-    for layer, qk_weight, keys, values in zip(decoder.text.layers, decoder.qk_weights, decoder.keys, decoder.values):
+    for layer, qk_weight, keys, values in zip(text.layers, decoder.qk_weights, decoder.keys, decoder.values):
         if (tables := _vnni_tables(layer)) is None:
             return None
         attention, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
         eps = (*(norm.variance_epsilon for norm in norms), attention.q_norm.variance_epsilon)
         prepared.append(vnni.prepare(tuple(norm.weight for norm in norms), eps, attention.heads[:2], attention.scaling,
                                      qk_weight, keys[0], values[0], tables))
-    return vnni.layers(prepared)
+    return vnni.layers(prepared), vnni.ends(text.embed_tokens.weight, text.norm.weight, text.norm.variance_epsilon,
+                                            head_table)
 
 
 def _rotation(text: nn.Module, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,19 +372,20 @@ def step(decoders: list[Decoder], tokens: list[int]) -> torch.Tensor:
     The decoders share one model."""
     first = decoders[0]
     text = first.text
-    x = text.embed_tokens(torch.tensor(tokens).view(-1, 1))
     rotations = [d.rotation() for d in decoders]
+    n = [d.n for d in decoders]
+    # The whole step in one call, unless the kernels were switched off since the decoder was made.
+    if len(decoders) == 1 and first.vnni is not None and vnni.ready and jit.ready.is_set():
+        logits = vnni.decode(tokens[0], *rotations[0], n[0], *first.vnni)
+        first.n += 1
+        return logits
+    x = text.embed_tokens(torch.tensor(tokens).view(-1, 1))
     cos, sin = rotations[0] if len(decoders) == 1 else (torch.cat(rows) for rows in zip(*rotations))
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # as rotary_emb gives them: a bf16 model's in bf16
-    n = [d.n for d in decoders]
-    # Every layer in one call, unless the kernels were switched off since the decoder was made.
-    if len(decoders) == 1 and x.dtype == torch.float32 and first.vnni_layers and vnni.ready and jit.ready.is_set():
-        vnni.decode(x, cos[0], sin[0], n[0], first.vnni_layers)
-    else:
-        for i, (layer, qk_weight) in enumerate(zip(text.layers, first.qk_weights)):
-            keys, values = [d.keys[i] for d in decoders], [d.values[i] for d in decoders]
-            x = x + layer.self_attn.step(_norm(layer.input_layernorm, x), cos, sin, keys, values, n, qk_weight)
-            x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
+    for i, (layer, qk_weight) in enumerate(zip(text.layers, first.qk_weights)):
+        keys, values = [d.keys[i] for d in decoders], [d.values[i] for d in decoders]
+        x = x + layer.self_attn.step(_norm(layer.input_layernorm, x), cos, sin, keys, values, n, qk_weight)
+        x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
     for d in decoders:
         d.n += 1
     return first.model.lm_head(_norm(text.norm, x))[:, -1]

@@ -6,10 +6,10 @@ this kernel against 107 in oneDNN's call (and 108 in fbgemm's), in the same byte
 the 2B decoded 9.3 tok/s against 7.7 (docs/quantization.md, "The decode kernel"). So do a batch's rows up to ROWS,
 each block's weights read once for them all; prompts and larger batches stay oneDNN's, whose AMX tiles compute them.
 
-Where every linear of every text layer is read so, a decode step's layers are one call (decode()): their norms,
-rotation and attention are jit's kernels called from this one, and what each layer reads is made once per answer
-(prepare(), layers()), so the step makes that call and the head's instead of ~113 linears' and ~170 small ops', each
-of which cost more in dispatch than in work (docs/quantization.md, "The decode kernel").
+Where every linear of every text layer and the head are read so, a decode step is one call (decode()): the token's
+embedding row, the layers' norms, rotation and attention (jit's kernels called from this one), the final norm and
+the head, with what each reads made once per answer (prepare(), layers(), ends()), instead of ~113 linears' and ~170
+small ops', each of which cost more in dispatch than in work (docs/quantization.md, "The decode kernel").
 
 The layout is oneDNN's choice, not a promise: qvl reads it as measured (blocks of 64 output channels, each taking
 the input 4 values at a time, then a 32-bit compensation per channel holding minus its weights' sum), checks each
@@ -108,12 +108,23 @@ def layers(prepared: list) -> "numba.typed.List":
     return typed
 
 
-def decode(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n: int, layers: "numba.typed.List"):
-    """One decode row x (float32, hidden values; updated in place) through every text decoder layer in one call, as
-    lean.step computes them one at a time: cos/sin/n as jit.rope takes them, the layers as layers() holds them."""
+def ends(embedding: torch.Tensor, norm: torch.Tensor, eps: float, head: Table) -> tuple:
+    """What decode() reads around the layers: the token table (bf16, as quantized models keep it), the final norm's
+    weight and epsilon, and the head's table."""
+    return jit._array(embedding.detach()), norm.detach().numpy(), float(eps), head.args
+
+
+def decode(token: int, cos: torch.Tensor, sin: torch.Tensor, n: int, layers: "numba.typed.List",
+           ends: tuple) -> torch.Tensor:
+    """The logits (1 x vocabulary) after feeding token, as lean.step computes them one op at a time, in one call: its
+    row of the token table, every text decoder layer, the final norm and the head. cos/sin/n as jit.rope takes them,
+    the layers as layers() holds them, the rest as ends() makes it. One call, because each op dispatched from Python
+    after the layers have read their weights finds its code and data out of the CPU's caches: the embedding's gather
+    and the norm took ~0.4 ms each there, against ~0.01 ms in a loop."""
     with jit._launch:
         jit._engine_threads()
-        _decode(x.view(-1).numpy(), cos.reshape(-1).numpy(), sin.reshape(-1).numpy(), n, layers)
+        y = _decode(token, cos.reshape(-1).numpy(), sin.reshape(-1).numpy(), n, layers, *ends)
+    return torch.from_numpy(y)
 
 
 def _sums_kernel(parts, levels, addresses, starts, counts, offsets, scale, out):
@@ -160,10 +171,16 @@ def _linear_kernel(rows, table):
     return y
 
 
-def _decode_kernel(x, cos, sin, n, layers):
-    """decode(): each layer in turn."""
+def _decode_kernel(token, cos, sin, n, layers, embedding, norm, eps, head):
+    """decode(): the token's row, each layer in turn, the final norm, the head."""
+    width = embedding.shape[1]
+    x = np.empty(width, np.float32)
+    x[:] = jit.widen(embedding[token], np.empty(width, np.uint32))
     for i in range(len(layers)):
         _layer(x, cos, sin, n, *layers[i])
+    h = np.empty((1, width), np.float32)
+    jit._norm(x.reshape(1, -1), norm, eps, h)
+    return _linear(h, head)
 
 
 def _layer_kernel(x, cos, sin, n, norms, eps, heads, scaling, qk_weight, keys, values, tables):
@@ -289,8 +306,8 @@ def warm() -> bool:
 
 def _compile_decode():
     """decode() once on two small layers (4 query heads and 2 key/value heads of 16, hidden 64) over a float32 cache
-    and a bf16 one, one with a linear that has loud channels: the types a decode step passes, compiled (and numba's
-    typed list made for them) before it needs them."""
+    and a bf16 one, one with a linear that has loud channels, and a 10-token table: the types a decode step passes,
+    compiled (and numba's typed list made for them) before it needs them."""
     def table(out_features: int, apart: bool = False) -> Table:
         part = torch.ops.onednn.qlinear_prepack(torch.ones(out_features, 64, dtype=torch.int8), None)
         loud = (torch.tensor([1]), torch.ones(1, out_features)) if apart else (None, None)
@@ -301,4 +318,5 @@ def _compile_decode():
         keys, values = torch.zeros(2, 4, 16, dtype=dtype), torch.zeros(2, 4, 16, dtype=dtype)
         prepared = [prepare((norm, norm), (1e-6,) * 3, (4, 2), 0.25, rows, keys, values,
                             (table(128), table(64), table(128), table(64, apart=loud))) for loud in (False, True)]
-        decode(torch.ones(64), torch.ones(16), torch.ones(16), 0, layers(prepared))
+        decode(3, torch.ones(16), torch.ones(16), 0, layers(prepared),
+               ends(torch.ones(10, 64, dtype=torch.bfloat16), norm, 1e-6, table(10)))
