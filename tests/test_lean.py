@@ -289,7 +289,7 @@ def test_a_batchs_rows_through_vnnis_kernel_decode_as_through_onednns_call(onedn
 
 @pytest.mark.parametrize("kernels", ["vnni"], indirect=True)
 @pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
-def test_the_layers_in_one_vnni_call_decode_as_their_ops_one_by_one_and_no_farther_from_fp32(
+def test_a_decode_step_in_one_vnni_call_decodes_as_its_ops_one_by_one_and_no_farther_from_fp32(
         onednn, kernels, tiny_dir, cache, monkeypatch):
     """Where qvl's kernels read every linear of every layer and the head (w8a14 on oneDNN's weights), one call
     computes a decode step (vnni.decode: the token's row, the layers, the final norm and the head): the logits of
