@@ -224,8 +224,12 @@ def test_linears_measures_each_way_to_compute_the_linears_against_fp32(tiny_dir)
     assert abs(two_parts - rows["int8 weights, fp32 activations"]["sqnr_db"]) < 0.5
     assert two_parts > rows["int8, a scale per token"]["sqnr_db"] + 3
     # ...which the first layers' weights in two parts pass (all the tiny model's layers; its head stays one part)
-    w8a14 = rows["the same, the first text layers' weights in two parts (`w8a14`'s decode)"]["sqnr_db"]
+    w8a14 = rows[bench.W8A14_DECODE]["sqnr_db"]
     assert w8a14 > two_parts + 2
+    # Fewer bits in the last half of the layers' MLPs, read exactly, lose what w8a14 gained: int4 more than int6
+    int6, int4 = (rows[f"`w8a14`'s decode, the last half of the layers' MLP weights {w}"]["sqnr_db"]
+                  for w in ("int6 g64", "int4 g32"))
+    assert int4 + 3 < int6 < w8a14 - 1
 
 
 def test_linears_shows_what_setting_loud_channels_apart_gains_where_activations_carry_outliers(tiny_dir, loud_dir):

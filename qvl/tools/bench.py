@@ -499,27 +499,53 @@ def _without_vnni(linear: quant.Int8Linear, x: torch.Tensor) -> torch.Tensor:
         vnni.ready = True
 
 
-# How --linears computes every text linear and the head, each way against fp32: (name, linear, loud) -> a module, where
-# loud is (channels, the checkpoint's columns for them) in linears that have loud channels, else None. The int4 and
-# int8 weight-only kernels take bf16 activations (fast where the CPU has bf16 dot products).
+def _fewer_bits(linear: torch.nn.Linear, bits: int, group: int) -> torch.nn.Module:
+    """linear with its weights rounded to `bits`, symmetric, a bf16 scale for each `group` inputs of a row, and fp32
+    activations: the best a kernel reading that many bits a weight (plus a scale a group) could compute."""
+    weight = linear.weight.detach().float()
+    groups = weight.view(weight.shape[0], -1, min(group, weight.shape[1]))
+    top = 2 ** (bits - 1) - 1
+    scale = (groups.abs().amax(-1, keepdim=True) / top).clamp_(min=torch.finfo(torch.bfloat16).tiny)
+    scale = scale.bfloat16().float()
+    rounded = ((groups / scale).round_().clamp_(-top - 1, top) * scale).view_as(weight)
+    return _Call(lambda x: torch.nn.functional.linear(x, rounded, linear.bias))
+
+
+def _late_mlps(bits: int, group: int):
+    """The way of w8a14's decode, but the last half of the text layers' MLPs with weights of `bits` (_fewer_bits)."""
+    def way(name, linear, loud, late):
+        if late and ".mlp." in name:
+            return _fewer_bits(linear, bits, group)
+        return LINEAR_WAYS[W8A14_DECODE](name, linear, loud, late)
+    return way
+
+
+# How --linears computes every text linear and the head, each way against fp32: (name, linear, loud, late) -> a
+# module, where loud is (channels, the checkpoint's columns for them) in linears that have loud channels, else None,
+# and late says the linear is in the last half of the text layers. The int4 and int8 weight-only kernels take bf16
+# activations (fast where the CPU has bf16 dot products). The two last ways ask what fewer bits per weight would keep
+# where a model is least sensitive to them: they read int4 or int6 weights exactly, as no kernel would.
+W8A14_DECODE = "the same, the first text layers' weights in two parts (`w8a14`'s decode)"
 LINEAR_WAYS = {
-    "int8, a scale per token, loud channels apart (`int8`)": lambda name, linear, loud:
+    "int8, a scale per token, loud channels apart (`int8`)": lambda name, linear, loud, late:
         _apart(quant._dynamic_int8(linear), loud),
-    "int8, activations in two parts, loud channels apart": lambda name, linear, loud:
+    "int8, activations in two parts, loud channels apart": lambda name, linear, loud, late:
         _decoding(_apart(quant._dynamic_int8(linear), loud)),
-    "the same, the first text layers' weights in two parts (`w8a14`'s decode)": lambda name, linear, loud:
+    W8A14_DECODE: lambda name, linear, loud, late:
         _decoding(_apart(checkpoint._w8a14(name, linear), loud)),
-    "int8, a scale per token": lambda name, linear, loud: quant._dynamic_int8(linear),
-    "int8, one scale per call": lambda name, linear, loud: _Call(quant._dynamic_int8(linear)._matmul),  # qvl's first
-    "int8 weights, fp32 activations": lambda name, linear, loud: _Call(
+    "int8, a scale per token": lambda name, linear, loud, late: quant._dynamic_int8(linear),
+    "int8, one scale per call": lambda name, linear, loud, late: _Call(quant._dynamic_int8(linear)._matmul),
+    "int8 weights, fp32 activations": lambda name, linear, loud, late: _Call(
         lambda x, weight=quant._dynamic_int8(linear).weight().dequantize(): torch.nn.functional.linear(x, weight)),
-    "int8 weights, bf16 activations": lambda name, linear, loud: quant.Int8WeightOnly.quantize(linear),
-    "int8 weights, bf16 activations, loud channels apart (`w8a16`)": lambda name, linear, loud:
+    "int8 weights, bf16 activations": lambda name, linear, loud, late: quant.Int8WeightOnly.quantize(linear),
+    "int8 weights, bf16 activations, loud channels apart (`w8a16`)": lambda name, linear, loud, late:
         _apart(quant.Int8WeightOnly.quantize(linear), loud),
-    f"int4 g{quant.GROUP} weights, bf16 activations": lambda name, linear, loud:
+    f"int4 g{quant.GROUP} weights, bf16 activations": lambda name, linear, loud, late:
         quant.Int4Linear.quantize(linear, prefill=False),  # int4 for every row count, as it decodes
-    "bf16": lambda name, linear, loud: _Call(
+    "bf16": lambda name, linear, loud, late: _Call(
         lambda x, weight=linear.weight.bfloat16(): torch.nn.functional.linear(x.bfloat16(), weight).float()),
+    "`w8a14`'s decode, the last half of the layers' MLP weights int6 g64": _late_mlps(6, 64),
+    "`w8a14`'s decode, the last half of the layers' MLP weights int4 g32": _late_mlps(4, 32),
 }
 
 
@@ -564,9 +590,13 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
         with torch.inference_mode():
             return model(input_ids=ids, logits_to_keep=kept).logits[0].float()
 
+    layers = model.config.text_config.num_hidden_layers
+    late = {f"model.language_model.layers.{i}." for i in range(layers // 2, layers)}
+
     def computing(way, loud):
         for name, linear in floats.items():
-            checkpoint.swap(model, name, LINEAR_WAYS[way](name, linear, loud.get(name)))
+            in_late = name.startswith(tuple(late))
+            checkpoint.swap(model, name, LINEAR_WAYS[way](name, linear, loud.get(name), in_late))
 
     reference = logits()
     computing("int8, a scale per token", {})  # calibrated as a conversion calibrates: through the quantized linears
