@@ -534,7 +534,8 @@ LINEAR_WAYS = {
     W8A14_DECODE: lambda name, linear, loud, late:
         _decoding(_apart(checkpoint._w8a14(name, linear), loud)),
     "int8, a scale per token": lambda name, linear, loud, late: quant._dynamic_int8(linear),
-    "int8, one scale per call": lambda name, linear, loud, late: _Call(quant._dynamic_int8(linear)._matmul),
+    "int8, one scale per call": lambda name, linear, loud, late:  # qvl's first
+        _Call(quant._dynamic_int8(linear)._matmul),
     "int8 weights, fp32 activations": lambda name, linear, loud, late: _Call(
         lambda x, weight=quant._dynamic_int8(linear).weight().dequantize(): torch.nn.functional.linear(x, weight)),
     "int8 weights, bf16 activations": lambda name, linear, loud, late: quant.Int8WeightOnly.quantize(linear),
