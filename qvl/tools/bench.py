@@ -592,12 +592,11 @@ def linears(folder: str, tokens: int = 300, kept: int = 128) -> list[dict]:
             return model(input_ids=ids, logits_to_keep=kept).logits[0].float()
 
     layers = model.config.text_config.num_hidden_layers
-    late = {f"model.language_model.layers.{i}." for i in range(layers // 2, layers)}
+    late = tuple(f"model.language_model.layers.{i}." for i in range(layers // 2, layers))
 
     def computing(way, loud):
         for name, linear in floats.items():
-            in_late = name.startswith(tuple(late))
-            checkpoint.swap(model, name, LINEAR_WAYS[way](name, linear, loud.get(name), in_late))
+            checkpoint.swap(model, name, LINEAR_WAYS[way](name, linear, loud.get(name), name.startswith(late)))
 
     reference = logits()
     computing("int8, a scale per token", {})  # calibrated as a conversion calibrates: through the quantized linears
