@@ -246,7 +246,8 @@ def load(url: str, n: int, auth, workdir: Path, batch: int = 1) -> Tally:
         order = sorted(answered, key=lambda i: done_at.get(i, math.inf))
         if batch == 1 and order != answered:
             tally.wrong += 1
-            ends = ", ".join(f"{i} at +{done_at.get(i, math.inf) - done_at[order[0]]:.3f} s" for i in order)
+            start = min(done_at.values(), default=0.0)  # none may have been heard: each then ends at +inf
+            ends = ", ".join(f"{i} at +{done_at.get(i, math.inf) - start:.3f} s" for i in order)
             tally.problems.append(f"answered out of arrival order: {ends}")
         second = [(i, time.monotonic(), ask(clients[i], "And what else?", seed=i)) for i in answered]
         for i, started, job in second:
