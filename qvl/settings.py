@@ -158,9 +158,10 @@ _HELP = {
     "int8_kernel": "what computes the int8 linears of int8, int4's prompts, w8a14 and the vision tower: auto is "
                    "onednn on CPUs with AMX (prompts on its matrix units, 4-5x fbgemm's speed there) and fbgemm "
                    "elsewhere; onednn needs AVX-512 VNNI or AMX",
-    "vision_dtype": "what a quantized mode's vision tower computes in: auto is bf16 on CPUs with AMX (its int8 "
-                    "weights converted for each image, twice as fast there) and fp32 elsewhere; fp32 and bf16 modes "
-                    "compute it in their own",
+    "vision_dtype": "what a quantized mode's vision tower computes in: auto is int8 on CPUs with AMX (bf16 "
+                    "between its int8 linears, which take 8-bit activations: the fastest there) and fp32 elsewhere "
+                    "(fp32 around its int8 linears); bf16 converts its int8 weights to bf16 for each image (a little "
+                    "closer to fp32, slower); fp32 and bf16 modes compute it in their own",
     "kv_dtype": "what conversations' keys and values are kept in: auto is bf16 in every quantized mode (half the "
                 "memory a conversation takes, and a decode step reads half of it) and fp32 in fp32; bf16 keeps its "
                 "own",

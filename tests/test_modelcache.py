@@ -504,20 +504,23 @@ def test_an_onednn_start_read_ahead_from_the_model_cache_answers_as_its_first_st
     assert {m.onednn for m in engine.model.modules() if isinstance(m, quant.Int8Linear)} == {True}
 
 
-def test_a_bf16_vision_tower_has_a_file_of_its_own_and_a_later_start_answers_about_an_image_as_the_first(
+def test_each_vision_tower_has_a_file_of_its_own_and_a_later_start_answers_about_an_image_as_the_first(
         tiny_dir, tmp_path, converting):
-    """Its vision linears are stored in another form (int8 weights that it reads as bf16): a start with the other
-    tower converts its own, and each later start reads the one it needs."""
+    """A bf16 tower's vision linears are stored in another form (int8 weights that it reads as bf16), an int8 one's
+    other parameters in bf16: a start with another tower converts its own, and each later start reads the one it
+    needs."""
     from qvl.tools import bench
 
     request = [Turn("user", "what is this?", (bench.photo(),))]
     answers = {}
-    for vision in ("bf16", "fp32", "bf16", "fp32"):
+    for vision in ("bf16", "fp32", "int8") * 2:
         engine = _start(tiny_dir, "w8a14", "--model-cache-dir", str(tmp_path), "--vision-dtype", vision)
         *pieces, stats = engine.chat(request, PARAMS)
         assert answers.setdefault(vision, "".join(pieces)) == "".join(pieces)
-        visual = {type(m) for m in engine.model.model.visual.modules() if isinstance(m, quant.Stored)}
-        assert visual == ({quant.Int8WeightOnly} if vision == "bf16" else {quant.Int8Linear})
+        visual = engine.model.model.visual
+        assert {type(m) for m in visual.modules() if isinstance(m, quant.Stored)} == (
+            {quant.Int8WeightOnly} if vision == "bf16" else {quant.Int8Linear})
+        assert visual.blocks[0].norm1.weight.dtype == (torch.float32 if vision == "fp32" else torch.bfloat16)
         engine.close()
-    assert len(converting) == 2 and len(_files(tmp_path)) == 2
-    assert any("+bf16-vision-" in name for name in _files(tmp_path))
+    assert len(converting) == 3 and len(_files(tmp_path)) == 3
+    assert {name.split("-")[0] for name in _files(tmp_path)} == {"w8a14", "w8a14+bf16", "w8a14+int8"}

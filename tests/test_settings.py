@@ -92,7 +92,7 @@ BAD = {
     "--model-cache": ([], {"QVL_MODEL_CACHE": "2"},
                       "QVL_MODEL_CACHE: 2 is not one of 1, true, yes, on, 0, false, no, off"),
     "--int8-kernel": (["--int8-kernel", "mkl"], {}, "argument --int8-kernel: mkl is not one of auto, fbgemm, onednn"),
-    "--vision-dtype": ([], {"QVL_VISION_DTYPE": "fp16"}, "QVL_VISION_DTYPE: fp16 is not one of auto, fp32, bf16"),
+    "--vision-dtype": ([], {"QVL_VISION_DTYPE": "fp16"}, "QVL_VISION_DTYPE: fp16 is not one of auto, fp32, bf16, int8"),
     "--kv-dtype": (["--kv-dtype", "int8"], {}, "argument --kv-dtype: int8 is not one of auto, fp32, bf16"),
     "--jit": ([], {"QVL_JIT": "numba"}, "QVL_JIT: numba is not one of 1, true, yes, on, 0, false, no, off"),
     "--model-cache-dir": (["--model-cache-dir", str(ROOT / "app.py")], {},

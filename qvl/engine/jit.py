@@ -43,6 +43,10 @@ def peak(row):
     maxima, 4x slower: a split of the 2B's 6144-wide row took 12.2 us against 5.6)."""
 
 
+def extremes(row):
+    """In a kernel: the least and the largest value in a float32 row, each kept in 16 running lanes (as peak's)."""
+
+
 def dot(row, q):
     """In a kernel: the dot product of a cache row (float32, or bf16 as its uint16 bits) with q (float32), 16 lanes at
     a time (_register's intrinsics)."""
@@ -139,6 +143,26 @@ def _levels_kernel(rows, out):
     return peaks
 
 
+def _tensor_levels_kernel(rows, out):
+    """All of rows (float32, or bf16 as its bits) in 256 levels from their least value to their largest (0 within
+    them): oneDNN's uint8 input at one scale and zero point for the whole tensor (quant.tensor_levels in torch's ops,
+    bit for bit: x times 1 over the float32 scale, plus the zero point, in one rounding, then rounded half to even and
+    kept within 0..255); returns the scale and the zero point."""
+    r, n = rows.shape
+    lows, highs = np.empty(r, np.float32), np.empty(r, np.float32)
+    for i in prange(r):
+        lows[i], highs[i] = extremes(widen(rows[i], np.empty(n, np.uint32)))
+    low, high = min(lows.min(), np.float32(0)), max(highs.max(), np.float32(0))
+    level = max((high - low) / np.float32(255), np.float32(1.1754944e-38))  # all zeros: at the zero point
+    zero = min(max(np.rint(-low / level), np.float32(0)), np.float32(255))
+    inverse = np.float32(1) / level
+    for i in prange(r):
+        x = widen(rows[i], np.empty(n, np.uint32))
+        for j in range(n):
+            out[i, j] = np.uint8(min(max(np.rint(x[j] * inverse + zero), np.float32(0)), np.float32(255)))
+    return level, np.int64(zero)
+
+
 def _vision_rope_kernel(qkv, cos, sin, q, k, v):
     """A vision block's q/k/v (qkv: positions x 3 x heads x dim) into the layout attention reads (heads x positions x
     dim each), q and k rotated as transformers rotates them: x * cos + rotate_half(x) * sin in float32, each product
@@ -223,7 +247,7 @@ def _prompt_rope_kernel(qkv, weight, eps, cos, sin, q_heads, kv_heads, q, k):
 def _register(numba):
     """widen's and store's bodies for numba, by the element type (bf16 travels as its uint16 bits). Inlined: as calls
     they kept the loops around them from vectorizing (a tower's weight conversions took twice as long). And rms_norm's,
-    peak's, and dot's, dot_pair's, weighted_pair's and prefetch's (_rows)."""
+    peak's, extremes', and dot's, dot_pair's, weighted_pair's and prefetch's (_rows)."""
     from numba.extending import overload
     _rows(numba)
 
@@ -271,6 +295,22 @@ def _register(numba):
             for j in range(whole, n):
                 top = max(top, abs(row[j]))
             return top
+        return in_lanes
+
+    @overload(extremes, inline="always")
+    def _extremes(row):
+        def in_lanes(row):
+            n = len(row)
+            whole = n - n % 16
+            lows, highs = np.full(16, np.inf, np.float32), np.full(16, -np.inf, np.float32)
+            for j in range(0, whole, 16):
+                for lane in range(16):
+                    lows[lane] = min(lows[lane], row[j + lane])
+                    highs[lane] = max(highs[lane], row[j + lane])
+            low, high = lows.min(), highs.max()
+            for j in range(whole, n):
+                low, high = min(low, row[j]), max(high, row[j])
+            return low, high
         return in_lanes
 
 
@@ -458,7 +498,7 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 
 # The compiled kernels, and numba's thread count for this thread.
-_attend = _dequantize = _levels = _vision_rope = _split = _join = _norm = _prompt_norm = _rope = _prompt_rope = None
+_attend = _dequantize = _levels = _tensor_levels = _vision_rope = _split = _join = _norm = _prompt_norm = _rope = _prompt_rope = None
 _set_threads = None
 _max_threads = 1
 
@@ -467,7 +507,7 @@ def warm(cache_dir: str) -> bool:
     """Import numba and compile the kernels (or load them from numba's cache in cache_dir/numba, unless
     NUMBA_CACHE_DIR says where), then set ready; False, with one log line, where numba cannot be imported or compile
     (torch's ops go on serving)."""
-    global prange, _attend, _dequantize, _levels, _vision_rope, _split, _join, _norm, _prompt_norm, _rope, _prompt_rope
+    global prange, _attend, _dequantize, _levels, _tensor_levels, _vision_rope, _split, _join, _norm, _prompt_norm, _rope, _prompt_rope
     global _set_threads, _max_threads
     with _warming:
         if _attend is None:
@@ -487,10 +527,12 @@ def warm(cache_dir: str) -> bool:
                     numba.njit(parallel=True, nogil=True, cache=True),
                     (_dequantize_kernel, _vision_rope_kernel, _prompt_norm_kernel, _prompt_rope_kernel))
                 # contract: x / peak * inverse + 128 in one rounding, as torch's (fbgemm's) quantization does it.
-                in_levels = numba.njit(parallel=True, nogil=True, cache=True,
-                                       fastmath={"contract", "nnan", "ninf", "nsz"})(_levels_kernel)
+                in_levels, tensor_levels = map(numba.njit(parallel=True, nogil=True, cache=True,
+                                                          fastmath={"contract", "nnan", "ninf", "nsz"}),
+                                               (_levels_kernel, _tensor_levels_kernel))
                 dequantize(np.ones((2, 2), np.int8), np.ones(2, np.uint16), np.zeros((2, 2), np.uint16))
                 in_levels(np.ones((2, 2), np.float32), np.zeros((2, 2), np.uint8))
+                tensor_levels(np.ones((2, 2), np.uint16), np.zeros((2, 2), np.uint8))  # a bf16 tower's
                 for dtype in (np.float32, np.uint16):  # an fp32 tower's, a bf16 one's
                     out = np.zeros((1, 1, 2), dtype)
                     vision_rope(np.zeros((1, 3, 1, 2), dtype), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
@@ -512,6 +554,7 @@ def warm(cache_dir: str) -> bool:
                 return False
             (_attend, _split, _join, _norm, _rope), _dequantize = kernels, dequantize
             _levels, _vision_rope, _prompt_norm, _prompt_rope = in_levels, vision_rope, prompt_norm, prompt_rope
+            _tensor_levels = tensor_levels
             log.info("the numba decode kernels are ready (%.1f s; cached in %s)", time.perf_counter() - start,
                      numba.config.CACHE_DIR)
         ready.set()
@@ -563,6 +606,16 @@ def levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _engine_threads()
         peaks = _levels(rows.numpy(), out.numpy())
     return out.view(x.shape), torch.from_numpy(peaks).view(*x.shape[:-1], 1)
+
+
+def tensor_levels(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """_tensor_levels_kernel: x's rows (bf16) as oneDNN's uint8 input at one scale and zero point, and those two."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(rows.shape, dtype=torch.uint8)
+    with _launch:
+        _engine_threads()
+        level, zero = _tensor_levels(_array(rows), out.numpy())
+    return out.view(x.shape), float(level), int(zero)
 
 
 def vision_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:

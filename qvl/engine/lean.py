@@ -162,9 +162,9 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 class VisionMLP(nn.Module):
-    """The vision tower's MLP; in a tower that computes in bf16, its gelu is part of the first linear (linear_gelu):
-    7.8 ms a block against 10.6 for the linear and then torch's gelu (the 2B's 1200 patches, AMX Xeon), taken from
-    the fp32 sums rather than their bf16 rounding."""
+    """The vision tower's MLP; in a tower that computes in bf16, its gelu is part of the first linear (linear_gelu, or
+    oneDNN's int8 kernel in an int8 tower: Int8Linear.bf16_rows): 7.8 ms a block against 10.6 for the linear and then
+    torch's gelu (the 2B's 1200 patches, AMX Xeon), taken from the fp32 sums rather than their bf16 rounding."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -174,6 +174,8 @@ class VisionMLP(nn.Module):
     def forward(self, x):
         fc1 = self.linear_fc1
         if self.fused and x.dtype == torch.bfloat16:
+            if isinstance(fc1, quant.Int8Linear):  # an int8 tower's: oneDNN's int8 kernel applies it
+                return self.linear_fc2(fc1.bf16_rows(x, gelu=True))
             weight = fc1.bf16_weight() if isinstance(fc1, quant.Int8WeightOnly) else fc1.weight
             return self.linear_fc2(linear_gelu(x, weight, fc1.bias))
         return self.linear_fc2(self.act_fn(fc1(x)))

@@ -190,7 +190,7 @@ class Engine:
                                            vision=self.settings.vision)
         self._ahead = None  # read: its packed weights are the model's now
         # A prompt's attention on the matrix units where the tower computes there.
-        lean.set_dtypes(self.model, prompt=torch.bfloat16 if self.settings.vision == "bf16" else None,
+        lean.set_dtypes(self.model, prompt=torch.bfloat16 if modes.bf16_tower(self.settings.vision) else None,
                         cache=torch.bfloat16 if self.settings.kv == "bf16" else None)
         if self.scheduler is not None:
             self.scheduler.interleave([*self.model.model.visual.blocks, *self.model.model.language_model.layers])

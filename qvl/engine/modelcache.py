@@ -107,8 +107,9 @@ def key(weights: str, mode: str, vision: str = "fp32") -> dict[str, str]:
 
 
 def path(folder: str, weights: str, mode: str, vision: str = "fp32") -> Path:
-    """The file of a mode's model, whose vision tower computes in vision (a bf16 tower is stored otherwise)."""
-    return Path(folder) / f"{mode}{'+bf16-vision' if vision == 'bf16' else ''}-{weights}.safetensors"
+    """The file of a mode's model, whose vision tower computes in vision (a bf16 tower's linears are stored
+    otherwise, an int8 one's other parameters)."""
+    return Path(folder) / f"{mode}{'' if vision == 'fp32' else f'+{vision}-vision'}-{weights}.safetensors"
 
 
 def read_ahead(settings) -> "Reader | None":

@@ -54,21 +54,27 @@ def kernel(choice: str, flags: frozenset[str] | None = None) -> str:
     return "onednn" if "AMX" in _flags(flags) else "fbgemm"
 
 
-# The dtypes a quantized mode's vision tower may compute in, as --vision-dtype names them; `auto` stands for one.
-VISION_DTYPES = ("fp32", "bf16")
+# What a quantized mode's vision tower may compute in, as --vision-dtype names them; `auto` stands for one.
+VISION_DTYPES = ("fp32", "bf16", "int8")
 
 
 def vision(choice: str, mode: str, flags: frozenset[str] | None = None) -> str:
-    """The dtype the vision tower of `mode` computes in on a CPU with these instruction sets (default: this CPU's):
-    fp32 and bf16 compute it in their own; a quantized mode in fp32 around its int8 linears, or wholly in bf16, its
-    linears' int8 weights converted to bf16 for each image. `auto` is bf16 on CPUs with AMX, whose tiles ran the 2B's
-    tower twice as fast so, attention included; fp32 elsewhere, where bf16 is slower or emulated
-    (docs/quantization.md, "The vision tower")."""
+    """What the vision tower of `mode` computes in on a CPU with these instruction sets (default: this CPU's): fp32
+    and bf16 compute it in their own; a quantized mode in fp32 around its int8 linears (fp32), or in bf16: its
+    linears' int8 weights converted to bf16 for each image (bf16), or its linears the mode's own, each taking its
+    bf16 input at 8 bits (int8). `auto` is int8 on CPUs with AMX, whose tiles compute int8 twice as fast as bf16
+    (the 2B's first token ~10% sooner than with the bf16 tower, itself twice as fast as fp32's); fp32 elsewhere,
+    where bf16 is slower or emulated (docs/quantization.md, "The vision tower")."""
     if mode in ("fp32", "bf16"):
         return mode
     if choice != "auto":
         return choice
-    return "bf16" if "AMX" in _flags(flags) else "fp32"
+    return "int8" if "AMX" in _flags(flags) else "fp32"
+
+
+def bf16_tower(vision: str) -> bool:
+    """Whether a tower that computes in `vision` (as vision() resolves it) computes in bf16 between its linears."""
+    return vision in ("bf16", "int8")
 
 
 # The dtypes the text decoder may keep its keys and values in, as --kv-dtype names them; `auto` stands for one.
@@ -121,8 +127,10 @@ def describe(mode: str, int8_kernel: str = "fbgemm", vision_dtype: str = "fp32",
                  "loud text channels apart, embedding bf16",
     }.get(mode, mode)
     text = text.replace("fbgemm", "oneDNN") if int8_kernel == "onednn" else text
-    if vision_dtype == "bf16" and mode not in ("fp32", "bf16"):
-        text += "; vision tower and a prompt's attention in bf16, the tower's int8 weights converted per image"
+    if bf16_tower(vision_dtype) and mode not in ("fp32", "bf16"):
+        text += "; vision tower and a prompt's attention in bf16, " + (
+            "the tower's int8 weights converted per image" if vision_dtype == "bf16"
+            else "the tower's linears on 8-bit activations, a scale per image")
     if kv_dtype == "bf16" and mode != "bf16":
         text += "; KV cache bf16"
     return text

@@ -315,6 +315,8 @@ class Int8Linear(_Apart):
         return False
 
     def forward(self, x):
+        if x.dtype == torch.bfloat16:
+            return self.bf16_rows(x)
         if x.numel() <= vnni.ROWS * self.in_features and (table := self.vnni_table()) is not None:
             y = vnni.linear(x, table)  # decode rows: their loud channels and weight parts too, in one call
             return y if self.bias is None else y + self.bias
@@ -335,6 +337,31 @@ class Int8Linear(_Apart):
 
     def _matmul(self, x):
         return self._int8(x, _dynamic).mul_(self.scale)
+
+    def bf16_rows(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """The linear of a tower that computes in bf16 (--vision-dtype int8), gelu (tanh) applied where asked: x
+        (bf16) quantized to 8 bits at one scale and zero point for all its rows (gelu's outputs, into the MLP's second
+        linear, lie mostly above 0), and oneDNN's kernel adding the bias, applying the
+        gelu and rounding to bf16 as it writes its fp32 sums. One scale, not one a token: the tower's linears read
+        rows that a LayerNorm made (or attention and gelu made of such rows), whose peaks differ little, and one
+        scale leaves the kernel to finish the output, where a scale per token takes passes of its own that cost
+        what the int8 kernel saves over bf16's (docs/quantization.md, "The vision tower"). Elsewhere (fbgemm, two
+        weight parts, loud channels) the float32 path, then the gelu and bf16."""
+        if not (self.onednn and self.weight_parts == 1 and self.apart is None):
+            y = self.forward(x.float())
+            return (F.gelu(y, approximate="tanh") if gelu else y).bfloat16()
+        q, level, zero = jit.tensor_levels(x) if jit.ready.is_set() else tensor_levels(x)
+        rows, bias = q.reshape(-1, self.in_features), None if self.bias is None else self.bias.float()
+        outputs, start = [], 0
+        for part in self.parts:  # oneDNN's packed weight is a tensor, in x out
+            end = start + part.shape[1]
+            outputs.append(torch.ops.onednn.qlinear_pointwise(
+                rows, level, zero, part, self.scale[start:end], _zeros(end - start),
+                None if bias is None else bias[start:end], 1.0, 0, torch.bfloat16, "gelu" if gelu else "none", [],
+                "tanh" if gelu else ""))
+            start = end
+        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+        return y.view(*x.shape[:-1], -1)
 
     def _per_token(self, x):
         """_matmul of x with a scale per token: each row over its own peak, times the peak again. On oneDNN the rows'
@@ -481,6 +508,18 @@ class Int8WeightOnly(_Apart):
             y = self._add_apart(y, rows.index_select(-1, self.apart))
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def tensor_levels(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """jit.tensor_levels in torch's ops: x (bf16) as oneDNN's uint8 input in 256 levels from its least value to its
+    largest (0 within them; float32 scale), and the scale and the zero point."""
+    low, high = (torch.minimum(x.min().float(), _ZERO), torch.maximum(x.max().float(), _ZERO))
+    level = ((high - low) / 255).clamp_(min=torch.finfo(torch.float32).tiny)
+    zero = int(torch.round(-low / level).clamp_(0, 255))
+    return torch.quantize_per_tensor(x.float(), level.item(), zero, torch.quint8).int_repr(), level.item(), zero
+
+
+_ZERO = torch.tensor(0.0)
 
 
 def _dynamic(x: torch.Tensor, part, onednn: bool) -> torch.Tensor:
