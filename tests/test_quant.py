@@ -838,13 +838,13 @@ def test_once_warm_a_bf16_towers_rows_are_quantized_at_one_scale_by_one_kernel_b
     """jit.tensor_levels makes the uint8 levels, scale and zero point that torch's ops make (quant.tensor_levels):
     from the least value to the largest, 0 within them, so gelu's outputs (mostly above 0) keep most of the 256
     levels; a width that is no multiple of the kernel's 16 lanes, all-negative, all-positive and all-zero inputs
-    included."""
+    included. Neither quantizes rows of which one is over LOUD_ROWS times as loud as the median one."""
     torch.manual_seed(0)
     inputs = [torch.randn(41, 520) * 3, torch.nn.functional.gelu(torch.randn(30, 1024) * 2, approximate="tanh"),
               -torch.rand(3, 17), torch.rand(2, 5) + 4, torch.zeros(4, 16)]
     for x in (t.bfloat16() for t in inputs):
-        q, level, zero = jit.tensor_levels(x)
-        theirs = quant.tensor_levels(x)
+        q, level, zero = jit.tensor_levels(x, quant.LOUD_ROWS)
+        theirs = quant.tensor_levels(x, quant.LOUD_ROWS)
         assert torch.equal(q, theirs[0]) and (level, zero) == theirs[1:]
         low, high = min(x.min().item(), 0), max(x.max().item(), 0)
         assert level == pytest.approx(max((high - low) / 255, torch.finfo(torch.float32).tiny), rel=1e-6)
@@ -853,20 +853,26 @@ def test_once_warm_a_bf16_towers_rows_are_quantized_at_one_scale_by_one_kernel_b
             assert ((q.float() - zero) * level - x.float()).abs().max() <= level * 0.5001
     assert kernels[1] == ["tensor_levels"] * len(inputs)
     assert inputs[1].min() < 0 and zero < 16  # gelu's: nearly all levels above 0
+    x = torch.randn(41, 520).bfloat16()
+    x[7] *= 3.5  # within LOUD_ROWS of the median row
+    assert jit.tensor_levels(x, quant.LOUD_ROWS) is not None and quant.tensor_levels(x, quant.LOUD_ROWS) is not None
+    x[7] *= 2
+    assert jit.tensor_levels(x, quant.LOUD_ROWS) is None and quant.tensor_levels(x, quant.LOUD_ROWS) is None
 
 
 @pytest.mark.parametrize("gelu", [False, True])
 def test_a_bf16_towers_int8_linear_adds_its_bias_and_gelu_as_onednn_writes_bf16_from_the_exact_sums(onednn, gelu):
     """Int8Linear.bf16_rows on oneDNN: x quantized at one scale and zero point, and each output the exact sum of its
     int8 products times the scales, plus the bias, through gelu (tanh) where asked, rounded once to bf16; in pieces
-    alike. Where the weights are fbgemm's, the float32 path, then the gelu and bf16."""
+    alike. Where a row is over LOUD_ROWS times as loud as the median one, or the weights are fbgemm's, the float32
+    path at a scale per token, then the gelu and bf16."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(512, 96)
     linear = quant._dynamic_int8(layer)
     pieces = quant.Int8Linear(torch.cat(list(linear.pieces())), linear.scale, layer.bias.detach(), rows=32)
     assert len(pieces.parts) == 3
     x = (torch.randn(2, 40, 512) * 2).bfloat16()
-    q, level, zero = quant.tensor_levels(x)
+    q, level, zero = quant.tensor_levels(x, quant.LOUD_ROWS)
     exact = ((q.double() - zero) * level) @ (torch.cat(list(linear.pieces())).double() * linear.scale.double()[:, None]).T
     exact = exact + layer.bias.double()
     want = torch.nn.functional.gelu(exact, approximate="tanh") if gelu else exact
@@ -875,6 +881,10 @@ def test_a_bf16_towers_int8_linear_adds_its_bias_and_gelu_as_onednn_writes_bf16_
         assert y.dtype == torch.bfloat16 and y.shape == (2, 40, 96)
         assert torch.allclose(y.double(), want, rtol=2 ** -8, atol=1e-3 * want.abs().max().item())
     assert torch.equal(linear(x), linear.bf16_rows(x))  # forward's path for bf16 rows
+    x[1, 3] *= 10  # a high-norm token
+    y = linear(x.float())
+    assert torch.equal(linear.bf16_rows(x, gelu=gelu),
+                       (torch.nn.functional.gelu(y, approximate="tanh") if gelu else y).bfloat16())
     quant.use_kernel("fbgemm")
     fbgemm = quant._dynamic_int8(layer)
     y = fbgemm(x.float())
@@ -902,7 +912,7 @@ def test_an_int8_vision_tower_computes_in_bf16_around_onednns_int8_kernel_and_is
         visual = engine.model.model.visual
         visual.blocks[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
         tensor_levels, bf16_rows = jit.tensor_levels, quant.Int8Linear.bf16_rows
-        with mock.patch.object(jit, "tensor_levels", lambda x: levels.append(x.dtype) or tensor_levels(x)), \
+        with mock.patch.object(jit, "tensor_levels", lambda x, loud: levels.append(x.dtype) or tensor_levels(x, loud)), \
                 mock.patch.object(quant.Int8Linear, "bf16_rows",
                                   lambda self, x, gelu=False: gelus.append(gelu) or bf16_rows(self, x, gelu)):
             logits, _, tokens = bench.forced_chat(engine, request, tokens, 12)

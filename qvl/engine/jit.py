@@ -143,15 +143,19 @@ def _levels_kernel(rows, out):
     return peaks
 
 
-def _tensor_levels_kernel(rows, out):
+def _tensor_levels_kernel(rows, out, loud):
     """All of rows (float32, or bf16 as its bits) in 256 levels from their least value to their largest (0 within
     them): oneDNN's uint8 input at one scale and zero point for the whole tensor (quant.tensor_levels in torch's ops,
     bit for bit: x times 1 over the float32 scale, plus the zero point, in one rounding, then rounded half to even and
-    kept within 0..255); returns the scale and the zero point."""
+    kept within 0..255); returns the scale and the zero point, or (0, -1) without writing out where the loudest row's
+    peak is over `loud` times the median row's (the lower median)."""
     r, n = rows.shape
     lows, highs = np.empty(r, np.float32), np.empty(r, np.float32)
     for i in prange(r):
         lows[i], highs[i] = extremes(widen(rows[i], np.empty(n, np.uint32)))
+    peaks = np.sort(np.maximum(-lows, highs))
+    if peaks[-1] > loud * peaks[(r - 1) // 2]:
+        return np.float32(0), np.int64(-1)
     low, high = min(lows.min(), np.float32(0)), max(highs.max(), np.float32(0))
     level = max((high - low) / np.float32(255), np.float32(1.1754944e-38))  # all zeros: at the zero point
     zero = min(max(np.rint(-low / level), np.float32(0)), np.float32(255))
@@ -532,7 +536,7 @@ def warm(cache_dir: str) -> bool:
                                                (_levels_kernel, _tensor_levels_kernel))
                 dequantize(np.ones((2, 2), np.int8), np.ones(2, np.uint16), np.zeros((2, 2), np.uint16))
                 in_levels(np.ones((2, 2), np.float32), np.zeros((2, 2), np.uint8))
-                tensor_levels(np.ones((2, 2), np.uint16), np.zeros((2, 2), np.uint8))  # a bf16 tower's
+                tensor_levels(np.ones((2, 2), np.uint16), np.zeros((2, 2), np.uint8), np.float32(4))  # a bf16 tower's
                 for dtype in (np.float32, np.uint16):  # an fp32 tower's, a bf16 one's
                     out = np.zeros((1, 1, 2), dtype)
                     vision_rope(np.zeros((1, 3, 1, 2), dtype), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
@@ -608,14 +612,15 @@ def levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out.view(x.shape), torch.from_numpy(peaks).view(*x.shape[:-1], 1)
 
 
-def tensor_levels(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
-    """_tensor_levels_kernel: x's rows (bf16) as oneDNN's uint8 input at one scale and zero point, and those two."""
+def tensor_levels(x: torch.Tensor, loud: float) -> tuple[torch.Tensor, float, int] | None:
+    """_tensor_levels_kernel: x's rows (bf16) as oneDNN's uint8 input at one scale and zero point, and those two; None
+    where a row is over `loud` times as loud as the median one."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape, dtype=torch.uint8)
     with _launch:
         _engine_threads()
-        level, zero = _tensor_levels(_array(rows), out.numpy())
-    return out.view(x.shape), float(level), int(zero)
+        level, zero = _tensor_levels(_array(rows), out.numpy(), np.float32(loud))
+    return None if zero < 0 else (out.view(x.shape), float(level), int(zero))
 
 
 def vision_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -221,6 +221,11 @@ class _Apart(Stored):
         return y.view(-1, self.out_features).addmm_(loud.reshape(-1, len(self.apart)), self.columns).view(y.shape)
 
 
+# How many times the median row's peak a row of a bf16 tower's activations may reach before its linear takes a scale
+# per token (Int8Linear.bf16_rows): four leaves the median row a quarter of the levels, 2 bits.
+LOUD_ROWS = 4
+
+
 class Int8Linear(_Apart):
     """A dynamic int8 linear with a scale per row: its int8 weight is packed into fbgemm's layout, or oneDNN's where
     torch's quantized engine is "onednn" as it is built (--int8-kernel), whole or in pieces of `rows` rows; each row's
@@ -345,12 +350,17 @@ class Int8Linear(_Apart):
         gelu and rounding to bf16 as it writes its fp32 sums. One scale, not one a token: the tower's linears read
         rows that a LayerNorm made (or attention and gelu made of such rows), whose peaks differ little, and one
         scale leaves the kernel to finish the output, where a scale per token takes passes of its own that cost
-        what the int8 kernel saves over bf16's (docs/quantization.md, "The vision tower"). Elsewhere (fbgemm, two
-        weight parts, loud channels) the float32 path, then the gelu and bf16."""
-        if not (self.onednn and self.weight_parts == 1 and self.apart is None):
+        what the int8 kernel saves over bf16's (docs/quantization.md, "The vision tower"). Where a row is loud
+        (LOUD_ROWS), as a ViT's few high-norm tokens are, one scale would leave the others few levels: there, and
+        where the kernel is not oneDNN's (or with two weight parts, loud channels), the float32 path at a scale per
+        token, then the gelu and bf16."""
+        levels = None
+        if self.onednn and self.weight_parts == 1 and self.apart is None:
+            levels = (jit.tensor_levels if jit.ready.is_set() else tensor_levels)(x, LOUD_ROWS)
+        if levels is None:
             y = self.forward(x.float())
             return (F.gelu(y, approximate="tanh") if gelu else y).bfloat16()
-        q, level, zero = jit.tensor_levels(x) if jit.ready.is_set() else tensor_levels(x)
+        q, level, zero = levels
         rows, bias = q.reshape(-1, self.in_features), None if self.bias is None else self.bias.float()
         outputs, start = [], 0
         for part in self.parts:  # oneDNN's packed weight is a tensor, in x out
@@ -510,9 +520,13 @@ class Int8WeightOnly(_Apart):
         return y if self.bias is None else y + self.bias
 
 
-def tensor_levels(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+def tensor_levels(x: torch.Tensor, loud: float) -> tuple[torch.Tensor, float, int] | None:
     """jit.tensor_levels in torch's ops: x (bf16) as oneDNN's uint8 input in 256 levels from its least value to its
-    largest (0 within them; float32 scale), and the scale and the zero point."""
+    largest (0 within them; float32 scale), and the scale and the zero point; None where its loudest row's peak is over
+    `loud` times the median row's (the lower median)."""
+    peaks = x.reshape(-1, x.shape[-1]).abs().amax(-1).float()
+    if peaks.max() > loud * peaks.median():
+        return None
     low, high = (torch.minimum(x.min().float(), _ZERO), torch.maximum(x.max().float(), _ZERO))
     level = ((high - low) / 255).clamp_(min=torch.finfo(torch.float32).tiny)
     zero = int(torch.round(-low / level).clamp_(0, 255))
