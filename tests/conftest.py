@@ -136,8 +136,8 @@ def kernels(request, engine, monkeypatch):
         ready.set()
     monkeypatch.setattr(jit, "ready", ready)
     monkeypatch.setattr(vnni, "ready", request.param == "vnni")
-    for module, name in ((jit, "attend"), (jit, "in_two_parts"), (jit, "levels"), (jit, "tensor_levels"), (jit, "norm"), (jit, "rope"),
-                         (jit, "prompt_rope"), (jit, "vision_rope"), (vnni, "linear"), (vnni, "decode")):
+    for module, name in ((jit, "attend"), (jit, "in_two_parts"), (jit, "levels"), (jit, "tensor_levels"), (jit, "norm"),
+                         (jit, "rope"), (jit, "prompt_rope"), (jit, "vision_rope"), (vnni, "linear"), (vnni, "decode")):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
     with jit._warming:

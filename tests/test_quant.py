@@ -873,8 +873,8 @@ def test_a_bf16_towers_int8_linear_adds_its_bias_and_gelu_as_onednn_writes_bf16_
     assert len(pieces.parts) == 3
     x = (torch.randn(2, 40, 512) * 2).bfloat16()
     q, level, zero = quant.tensor_levels(x, quant.LOUD_ROWS)
-    exact = ((q.double() - zero) * level) @ (torch.cat(list(linear.pieces())).double() * linear.scale.double()[:, None]).T
-    exact = exact + layer.bias.double()
+    weight = torch.cat(list(linear.pieces())).double() * linear.scale.double()[:, None]
+    exact = ((q.double() - zero) * level) @ weight.T + layer.bias.double()
     want = torch.nn.functional.gelu(exact, approximate="tanh") if gelu else exact
     for ours in (linear, pieces):
         y = ours.bf16_rows(x, gelu=gelu)
@@ -893,7 +893,7 @@ def test_a_bf16_towers_int8_linear_adds_its_bias_and_gelu_as_onednn_writes_bf16_
 
 
 @pytest.mark.parametrize("mode", ["w8a14", "int4"])
-def test_an_int8_vision_tower_computes_in_bf16_around_onednns_int8_kernel_and_is_no_farther_from_fp32_than_the_fp32_tower(
+def test_an_int8_vision_tower_computes_in_bf16_around_onednns_kernel_and_is_no_farther_from_fp32_than_the_fp32_one(
         tiny_dir, tmp_path, onednn, mode):
     """--vision-dtype int8 on oneDNN: the tower's blocks compute in bf16 and every one of its linears reads its bf16
     input quantized at one scale (jit.tensor_levels, once per linear a tower's pass), its first MLP linear applying the
@@ -912,7 +912,8 @@ def test_an_int8_vision_tower_computes_in_bf16_around_onednns_int8_kernel_and_is
         visual = engine.model.model.visual
         visual.blocks[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
         tensor_levels, bf16_rows = jit.tensor_levels, quant.Int8Linear.bf16_rows
-        with mock.patch.object(jit, "tensor_levels", lambda x, loud: levels.append(x.dtype) or tensor_levels(x, loud)), \
+        with mock.patch.object(jit, "tensor_levels",
+                               lambda x, loud: levels.append(x.dtype) or tensor_levels(x, loud)), \
                 mock.patch.object(quant.Int8Linear, "bf16_rows",
                                   lambda self, x, gelu=False: gelus.append(gelu) or bf16_rows(self, x, gelu)):
             logits, _, tokens = bench.forced_chat(engine, request, tokens, 12)

@@ -60,7 +60,8 @@ def load_model(source: str, mode: str, report=unreported, vision: str = "fp32") 
     # bf16 gather (fp32 would add 1.2 GB for a lookup of one row per token).
     text.embed_tokens = quant.Bf16Embedding(text.embed_tokens.weight)
     _float_rest(model)
-    if modes.bf16_tower(vision):  # its float parameters; buffers stay (the rotary frequencies are fp32 in a bf16 model too)
+    # Its float parameters; buffers stay (the rotary frequencies are fp32 in a bf16 model too).
+    if modes.bf16_tower(vision):
         for param in model.model.visual.parameters():
             param.data = param.data.bfloat16()
     if mode == "w8a14":

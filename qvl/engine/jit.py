@@ -502,7 +502,8 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 
 # The compiled kernels, and numba's thread count for this thread.
-_attend = _dequantize = _levels = _tensor_levels = _vision_rope = _split = _join = _norm = _prompt_norm = _rope = _prompt_rope = None
+_attend = _dequantize = _levels = _tensor_levels = _vision_rope = None
+_split = _join = _norm = _prompt_norm = _rope = _prompt_rope = None
 _set_threads = None
 _max_threads = 1
 
@@ -511,7 +512,8 @@ def warm(cache_dir: str) -> bool:
     """Import numba and compile the kernels (or load them from numba's cache in cache_dir/numba, unless
     NUMBA_CACHE_DIR says where), then set ready; False, with one log line, where numba cannot be imported or compile
     (torch's ops go on serving)."""
-    global prange, _attend, _dequantize, _levels, _tensor_levels, _vision_rope, _split, _join, _norm, _prompt_norm, _rope, _prompt_rope
+    global prange, _attend, _dequantize, _levels, _tensor_levels, _vision_rope, _split, _join, _norm, _prompt_norm
+    global _rope, _prompt_rope
     global _set_threads, _max_threads
     with _warming:
         if _attend is None:

@@ -346,8 +346,8 @@ class Int8Linear(_Apart):
     def bf16_rows(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """The linear of a tower that computes in bf16 (--vision-dtype int8), gelu (tanh) applied where asked: x
         (bf16) quantized to 8 bits at one scale and zero point for all its rows (gelu's outputs, into the MLP's second
-        linear, lie mostly above 0), and oneDNN's kernel adding the bias, applying the
-        gelu and rounding to bf16 as it writes its fp32 sums. One scale, not one a token: the tower's linears read
+        linear, lie mostly above 0), and oneDNN's kernel adding the bias, applying the gelu and rounding to bf16 as it
+        writes its fp32 sums. One scale, not one a token: the tower's linears read
         rows that a LayerNorm made (or attention and gelu made of such rows), whose peaks differ little, and one
         scale leaves the kernel to finish the output, where a scale per token takes passes of its own that cost
         what the int8 kernel saves over bf16's (docs/quantization.md, "The vision tower"). Where a row is loud
