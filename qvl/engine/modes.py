@@ -67,9 +67,10 @@ def vision(choice: str, mode: str, flags: frozenset[str] | None = None) -> str:
     where bf16 is slower or emulated (docs/quantization.md, "The vision tower")."""
     if mode in ("fp32", "bf16"):
         return mode
-    if choice != "auto":
-        return choice
-    return "int8" if "AMX" in _flags(flags) else "fp32"
+    if choice == "auto":
+        choice = "int8" if "AMX" in _flags(flags) else "fp32"
+    # w8a16's linears never quantize an activation: in a bf16 tower they read their weights as bf16.
+    return "bf16" if choice == "int8" and mode == "w8a16" else choice
 
 
 def bf16_tower(vision: str) -> bool:
