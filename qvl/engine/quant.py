@@ -360,18 +360,7 @@ class Int8Linear(_Apart):
         if levels is None:
             y = self.forward(x.float())
             return (F.gelu(y, approximate="tanh") if gelu else y).bfloat16()
-        q, level, zero = levels
-        rows, bias = q.reshape(-1, self.in_features), None if self.bias is None else self.bias.float()
-        outputs, start = [], 0
-        for part in self.parts:  # oneDNN's packed weight is a tensor, in x out
-            end = start + part.shape[1]
-            outputs.append(torch.ops.onednn.qlinear_pointwise(
-                rows, level, zero, part, self.scale[start:end], _zeros(end - start),
-                None if bias is None else bias[start:end], 1.0, 0, torch.bfloat16, "gelu" if gelu else "none", [],
-                "tanh" if gelu else ""))
-            start = end
-        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
-        return y.view(*x.shape[:-1], -1)
+        return self._onednn_parts(*levels, None if self.bias is None else self.bias.float(), torch.bfloat16, gelu)
 
     def _per_token(self, x):
         """_matmul of x with a scale per token: each row over its own peak, times the peak again. On oneDNN the rows'
@@ -386,12 +375,18 @@ class Int8Linear(_Apart):
             if not self.onednn:
                 return self._matmul(x / peak).mul_(peak)
             q = torch.quantize_per_tensor(x / peak, 1 / 127, 128, torch.quint8).int_repr()
+        return self._onednn_parts(q, 1.0, 128).mul_(peak.div_(127))
+
+    def _onednn_parts(self, q, scale: float, zero_point: int, bias: torch.Tensor | None = None,
+                      dtype: torch.dtype = torch.float32, gelu: bool = False) -> torch.Tensor:
+        """_onednn over the packed parts, each with its rows' scales (and bias), joined."""
         outputs, start = [], 0
         for part in self.parts:  # oneDNN's packed weight is a tensor, in x out
-            outputs.append(_onednn(q, 1.0, 128, part, self.scale[start:start + part.shape[1]]))
-            start += part.shape[1]
-        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
-        return y.mul_(peak.div_(127))
+            end = start + part.shape[1]
+            outputs.append(_onednn(q, scale, zero_point, part, self.scale[start:end],
+                                   None if bias is None else bias[start:end], dtype, gelu))
+            start = end
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
 
     def _int8(self, x, linear):
         """linear(x, part, onednn)'s output over the packed parts: the int8 kernel's, before the rows' scales."""
@@ -554,14 +549,15 @@ def _whole_numbers(x: torch.Tensor, part, onednn: bool) -> torch.Tensor:
     return _onednn(torch.quantize_per_tensor(x, 1.0, 64, torch.quint8).int_repr(), 1.0, 64, part)
 
 
-def _onednn(q: torch.Tensor, scale: float, zero_point: int, part, row_scales: torch.Tensor | None = None
-            ) -> torch.Tensor:
-    """oneDNN's int8 linear of q (uint8 levels of scale, zero_point) into fp32, times row_scales (the weight rows'
-    scales; without them, before the rows' scales)."""
+def _onednn(q: torch.Tensor, scale: float, zero_point: int, part, row_scales: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32, gelu: bool = False) -> torch.Tensor:
+    """oneDNN's int8 linear of q (uint8 levels of scale, zero_point) into dtype, times row_scales (the weight rows'
+    scales; without them, before the rows' scales), plus bias, through gelu (tanh) where asked: all applied by the
+    kernel as it writes its fp32 sums."""
     rows, out_features = q.reshape(-1, q.shape[-1]), part.shape[1]  # packed as in x out
     row_scales = _ones(out_features) if row_scales is None else row_scales
-    y = torch.ops.onednn.qlinear_pointwise(rows, scale, zero_point, part, row_scales, _zeros(out_features),
-                                           None, 1.0, 0, torch.float32, "none", [], "")
+    y = torch.ops.onednn.qlinear_pointwise(rows, scale, zero_point, part, row_scales, _zeros(out_features), bias,
+                                           1.0, 0, dtype, "gelu" if gelu else "none", [], "tanh" if gelu else "")
     return y.view(*q.shape[:-1], out_features)
 
 
